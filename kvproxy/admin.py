@@ -1,0 +1,119 @@
+"""Session admin API (flask-smorest): list, inspect, clear and delete sessions.
+
+When ``KVPROXY_ADMIN_TOKEN`` is set every endpoint here needs
+``Authorization: Bearer <token>``.
+"""
+from __future__ import annotations
+
+import hmac
+
+import marshmallow as ma
+from flask import current_app, request
+from flask.views import MethodView
+from flask_smorest import Blueprint, abort
+
+from .switch import SlotBusy
+
+blueprint = Blueprint("sessions", __name__, url_prefix="/api/sessions",
+                      description="Saved llama-server slot sessions")
+
+
+class SessionSchema(ma.Schema):
+    session_id = ma.fields.String(metadata={"description": "The id as the client sent it"})
+    kind = ma.fields.String(metadata={"description": "'session', or 'base' for a shared system prompt"})
+    file = ma.fields.String(metadata={"description": "Slot file name in the slot folder"})
+    file_bytes = ma.fields.Integer(metadata={"description": "Size of the slot file on disk"})
+    n_tokens = ma.fields.Integer(allow_none=True)
+    n_bytes = ma.fields.Integer(allow_none=True, metadata={"description": "Bytes llama-server wrote"})
+    created_at = ma.fields.String(allow_none=True)
+    last_used_at = ma.fields.String(allow_none=True)
+    saved_at = ma.fields.String(allow_none=True)
+    save_ms = ma.fields.Float(allow_none=True)
+    restore_ms = ma.fields.Float(allow_none=True)
+    hits = ma.fields.Integer()
+    restores = ma.fields.Integer(allow_none=True)
+    system_hash = ma.fields.String(allow_none=True)
+    refused = ma.fields.String(allow_none=True)
+    made_by = ma.fields.Dict(allow_none=True)
+
+
+class CurrentSchema(ma.Schema):
+    session_id = ma.fields.String()
+    persistent = ma.fields.Boolean()
+    file = ma.fields.String(allow_none=True)
+    file_exists = ma.fields.Boolean()
+    file_bytes = ma.fields.Integer()
+    session = ma.fields.Nested(SessionSchema, allow_none=True)
+
+
+class ClearedSchema(ma.Schema):
+    session_id = ma.fields.String()
+    cleared = ma.fields.Boolean()
+
+
+def _switch():
+    return current_app.extensions["kvproxy.switch"]
+
+
+def _as_listing(sidecar: dict) -> dict:
+    return {**sidecar, "file": f"{sidecar.get('stem')}.bin"}
+
+
+@blueprint.before_request
+def require_token() -> None:
+    token = current_app.config["KVPROXY"].admin_token
+    if not token:
+        return
+    sent = request.headers.get("Authorization", "")
+    if not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
+        abort(401, message="missing or wrong admin token: send 'Authorization: Bearer <token>'")
+
+
+@blueprint.route("")
+class Sessions(MethodView):
+    @blueprint.response(200, SessionSchema(many=True))
+    def get(self):
+        """List every saved session and base snapshot, from their sidecars."""
+        return [_as_listing(s) for s in _switch().store.sidecars()]
+
+
+@blueprint.route("/current")
+class Current(MethodView):
+    @blueprint.response(200, CurrentSchema)
+    def get(self):
+        """The session the slot holds now, and the status of its slot file."""
+        store = _switch().store
+        state = store.read_state()
+        stem = state.get("active_stem")
+        sidecar = store.read_sidecar(stem) if stem else None
+        return {"session_id": state.get("active") or "default",
+                "persistent": bool(state.get("active_persistent")),
+                "file": f"{stem}.bin" if stem else None,
+                "file_exists": bool(stem) and store.has_bin(stem),
+                "file_bytes": store.bin_bytes(stem) if stem else 0,
+                "session": _as_listing(sidecar) if sidecar else None}
+
+
+@blueprint.route("/clear")
+class Clear(MethodView):
+    @blueprint.response(200, ClearedSchema)
+    def post(self):
+        """Save the active session, erase the slot and make 'default' active."""
+        try:
+            _switch().clear()
+        except SlotBusy as exc:
+            abort(503, message=str(exc), headers={"Retry-After": str(exc.retry_after)})
+        return {"session_id": "default", "cleared": True}
+
+
+@blueprint.route("/<path:session_id>")
+class OneSession(MethodView):
+    @blueprint.response(204)
+    def delete(self, session_id: str):
+        """Delete a session's slot file and sidecar; erases the slot if it holds it."""
+        try:
+            removed = _switch().forget(session_id)
+        except SlotBusy as exc:
+            abort(503, message=str(exc), headers={"Retry-After": str(exc.retry_after)})
+        if not removed:
+            abort(404, message=f"no saved session {session_id!r}")

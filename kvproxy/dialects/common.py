@@ -1,0 +1,89 @@
+"""What every dialect does the same way: read the body, run the call, map failures."""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Iterator
+
+from flask import Response, current_app, request
+
+from ..llama import UpstreamError, UpstreamUnavailable
+from ..relay import ChatCall, Relay
+from ..switch import SlotBusy
+
+Failure = tuple[int, str, dict]
+
+
+class BadRequest(ValueError):
+    """The client's request cannot be served as sent."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def relay() -> Relay:
+    return current_app.extensions["kvproxy.relay"]
+
+
+def json_body() -> dict:
+    """The request's JSON object, or BadRequest with a message a person can act on."""
+    data = request.get_json(silent=True, force=True)
+    if data is None:
+        raise BadRequest("request body is not valid JSON")
+    if not isinstance(data, dict):
+        raise BadRequest("request body must be a JSON object")
+    return data
+
+
+def failure(exc: Exception) -> Failure:
+    """Status, message and extra headers for an exception on the way to llama-server."""
+    if isinstance(exc, BadRequest):
+        return exc.status, exc.message, {}
+    if isinstance(exc, SlotBusy):
+        return 503, str(exc), {"Retry-After": str(exc.retry_after)}
+    if isinstance(exc, UpstreamUnavailable):
+        return 502, f"{exc}; check that llama-server is running and KVPROXY_UPSTREAM points at it", {}
+    if isinstance(exc, UpstreamError):
+        return exc.status, f"llama-server: {exc.message}", {}
+    raise exc
+
+
+HANDLED = (BadRequest, SlotBusy, UpstreamUnavailable, UpstreamError)
+
+
+def serve_chat(call: ChatCall, *, stream: bool,
+               render_full: Callable[[dict], Any],
+               render_stream: Callable[[Iterable[tuple[bytes, dict | None]]], Iterator[bytes]],
+               render_error: Callable[[int, str, dict], Response],
+               render_stream_error: Callable[[int, str], bytes],
+               mimetype: str) -> Response:
+    """Run ``call`` and answer in the dialect's format, streamed or whole.
+
+    The slot is held until the last byte is sent or the client goes away:
+    closing the response closes the upstream request and frees the slot.
+    """
+    try:
+        if not stream:
+            result, headers = relay().complete(call)
+            reply = render_full(result)
+            response = reply if isinstance(reply, Response) else current_app.json.response(reply)
+            response.headers.update(headers)
+            return response
+        exchange = relay().stream(call)
+    except HANDLED as exc:
+        return render_error(*failure(exc))
+
+    def body() -> Iterator[bytes]:
+        try:
+            yield from render_stream(exchange.events())
+        except (UpstreamError, UpstreamUnavailable) as exc:
+            status, message, _ = failure(exc)
+            yield render_stream_error(status, message)
+        finally:
+            exchange.close()
+
+    response = Response(body(), mimetype=mimetype, headers=exchange.headers)
+    response.headers["Cache-Control"] = "no-cache"
+    response.headers["X-Accel-Buffering"] = "no"  # nginx: relay chunks as they come
+    response.call_on_close(exchange.close)
+    return response

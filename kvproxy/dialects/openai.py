@@ -1,0 +1,86 @@
+"""OpenAI API: /v1/chat/completions, /v1/completions and /v1/models.
+
+llama-server already speaks this dialect, so requests pass through with the
+slot switch in front and streams are relayed event by event, unchanged.
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Iterable, Iterator
+
+from flask import Blueprint, Response, jsonify
+
+from ..relay import ChatCall
+from .common import HANDLED, BadRequest, failure, json_body, relay, serve_chat
+from flask import request
+
+blueprint = Blueprint("openai", __name__)
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               429: "rate_limit_error", 502: "upstream_error", 503: "server_busy"}
+
+
+def error_object(status: int, message: str) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"),
+                      "param": None, "code": status}}
+
+
+def render_error(status: int, message: str, headers: dict | None = None) -> Response:
+    response = jsonify(error_object(status, message))
+    response.status_code = status
+    response.headers.update(headers or {})
+    return response
+
+
+def render_stream_error(status: int, message: str) -> bytes:
+    return b"data: " + json.dumps(error_object(status, message)).encode() + b"\n\n"
+
+
+def relay_stream(events: Iterable[tuple[bytes, dict | None]]) -> Iterator[bytes]:
+    """Pass llama-server's SSE events through as they arrive."""
+    for raw, _event in events:
+        yield raw
+
+
+def _serve(path: str, required: str) -> Response:
+    try:
+        body = json_body()
+        if required not in body:
+            raise BadRequest(f"'{required}' is required")
+    except HANDLED as exc:
+        return render_error(*failure(exc))
+    call = ChatCall(body=body, headers=request.headers, raw=body, path=path)
+    return serve_chat(call, stream=bool(body.get("stream")), render_full=lambda result: result,
+                      render_stream=relay_stream, render_error=render_error,
+                      render_stream_error=render_stream_error, mimetype="text/event-stream")
+
+
+@blueprint.post("/v1/chat/completions")
+@blueprint.post("/chat/completions")
+def chat_completions() -> Response:
+    """OpenAI chat completions, streamed or whole."""
+    return _serve("/v1/chat/completions", "messages")
+
+
+@blueprint.post("/v1/completions")
+@blueprint.post("/completions")
+def completions() -> Response:
+    """OpenAI legacy text completions."""
+    return _serve("/v1/completions", "prompt")
+
+
+@blueprint.get("/v1/models")
+@blueprint.get("/models")
+def models() -> Response:
+    """The served model, with the fields both OpenAI and Anthropic clients read."""
+    try:
+        facts = relay().model_facts()
+    except HANDLED as exc:
+        return render_error(*failure(exc))
+    created = int(facts["model"].get("created") or time.time())
+    entry = {"id": facts["name"], "object": "model", "created": created, "owned_by": "llamacpp",
+             "type": "model", "display_name": facts["name"],
+             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))}
+    return jsonify({"object": "list", "data": [entry], "has_more": False,
+                    "first_id": entry["id"], "last_id": entry["id"]})

@@ -1,0 +1,132 @@
+"""HTTP client for llama-server: slot actions, model facts and chat calls.
+
+Contract: llama-server's own 4xx/5xx answers raise ``UpstreamError`` with its
+message; failures to reach it raise ``UpstreamUnavailable``. Nothing here
+knows about sessions, locks or client wire formats.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Iterator
+
+import requests
+
+
+class UpstreamUnavailable(RuntimeError):
+    """llama-server could not be reached or did not answer in time."""
+
+
+class UpstreamError(RuntimeError):
+    """llama-server answered with an error status."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _error_message(response: requests.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip() or response.reason
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        return str(error.get("message", error))
+    return str(error or body)
+
+
+class LlamaClient:
+    """One llama-server, reached over HTTP with bounded waits."""
+
+    def __init__(self, base_url: str, connect_timeout: float = 5, read_timeout: float = 600,
+                 slot_action_timeout: float = 300):
+        self.base_url = base_url.rstrip("/")
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.slot_action_timeout = slot_action_timeout
+        self.http = requests.Session()
+
+    def _request(self, method: str, path: str, *, read_timeout: float | None = None,
+                 stream: bool = False, **kwargs: Any) -> requests.Response:
+        timeout = (self.connect_timeout, read_timeout or self.read_timeout)
+        try:
+            response = self.http.request(method, self.base_url + path, timeout=timeout,
+                                         stream=stream, **kwargs)
+        except requests.RequestException as exc:
+            raise UpstreamUnavailable(
+                f"llama-server at {self.base_url} is not reachable: {exc.__class__.__name__}") from exc
+        if response.status_code >= 400:
+            message = _error_message(response)
+            response.close()
+            raise UpstreamError(response.status_code, message)
+        return response
+
+    def _json(self, method: str, path: str, **kwargs: Any) -> Any:
+        response = self._request(method, path, **kwargs)
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise UpstreamError(502, f"llama-server sent invalid JSON for {path}") from exc
+
+    # -- model facts -------------------------------------------------------
+    def health(self) -> dict:
+        return self._json("GET", "/health", read_timeout=self.connect_timeout)
+
+    def props(self) -> dict:
+        return self._json("GET", "/props", read_timeout=30)
+
+    def models(self) -> dict:
+        return self._json("GET", "/v1/models", read_timeout=30)
+
+    def slots(self) -> list[dict]:
+        return self._json("GET", "/slots", read_timeout=30)
+
+    def tokenize(self, content: str) -> list[int]:
+        return self._json("POST", "/tokenize", json={"content": content})["tokens"]
+
+    def apply_template(self, body: dict) -> str:
+        return self._json("POST", "/apply-template", json=body)["prompt"]
+
+    # -- slot actions ------------------------------------------------------
+    def slot_action(self, slot_id: int, action: str, filename: str | None = None) -> dict:
+        """save, restore or erase; returns llama-server's answer (with timings)."""
+        body = {"filename": filename} if filename else {}
+        return self._json("POST", f"/slots/{slot_id}?action={action}", json=body,
+                          read_timeout=self.slot_action_timeout)
+
+    # -- generation --------------------------------------------------------
+    def post_json(self, path: str, body: dict) -> dict:
+        return self._json("POST", path, json=body)
+
+    def post_stream(self, path: str, body: dict) -> requests.Response:
+        """Open a streaming POST; the caller reads it with ``sse_events`` and closes it."""
+        return self._request("POST", path, json=body, stream=True)
+
+
+def sse_events(response: requests.Response) -> Iterator[tuple[bytes, Any]]:
+    """Yield ``(raw_event_bytes, parsed_json)`` for each ``data:`` event as it arrives.
+
+    ``[DONE]`` yields ``(raw, None)``; comment lines (``: ping``) are skipped.
+    An ``error`` object inside the stream raises ``UpstreamError``.
+    """
+    for line in response.iter_lines(chunk_size=None):
+        if not line or line.startswith(b":"):
+            continue
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        raw = line + b"\n\n"
+        if payload == b"[DONE]":
+            yield raw, None
+            return
+        try:
+            event = json.loads(payload)
+        except ValueError as exc:
+            raise UpstreamError(502, "llama-server sent an unreadable stream event") from exc
+        if isinstance(event, dict) and "error" in event and not event.get("choices"):
+            error = event["error"]
+            message = error.get("message", str(error)) if isinstance(error, dict) else str(error)
+            raise UpstreamError(int(error.get("code", 500)) if isinstance(error, dict) else 500,
+                                message)
+        yield raw, event

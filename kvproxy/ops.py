@@ -1,0 +1,30 @@
+"""Operator endpoints: /health and /metrics."""
+from __future__ import annotations
+
+from flask import Blueprint, Response, current_app, jsonify
+from prometheus_client import generate_latest, CONTENT_TYPE_LATEST
+
+from .llama import UpstreamError, UpstreamUnavailable
+from .metrics import REGISTRY
+
+blueprint = Blueprint("ops", __name__)
+
+
+@blueprint.get("/health")
+def health() -> Response:
+    """200 with llama-server's state when it answers, 503 otherwise."""
+    client = current_app.extensions["kvproxy.relay"].client
+    try:
+        upstream = client.health()
+    except (UpstreamError, UpstreamUnavailable) as exc:
+        response = jsonify({"status": "unavailable", "upstream": client.base_url,
+                            "error": str(exc)})
+        response.status_code = 503
+        return response
+    return jsonify({"status": "ok", "upstream": client.base_url, "llama_server": upstream})
+
+
+@blueprint.get("/metrics")
+def metrics() -> Response:
+    """Prometheus text format."""
+    return Response(generate_latest(REGISTRY), mimetype=CONTENT_TYPE_LATEST)

@@ -1,0 +1,134 @@
+"""Carries one neutral chat request through the slot switch to llama-server.
+
+Dialects (Ollama, OpenAI, Anthropic) translate their wire format into a
+``ChatCall`` whose body is an OpenAI-style llama-server request, and render
+what comes back. The relay picks the session, holds the slot for the whole
+exchange and tells the switch what the answer's timings showed.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+from . import identity
+from .config import Settings
+from .llama import LlamaClient, sse_events
+from .switch import Lease, SlotSwitch
+
+MODEL_FACTS_TTL = 10.0
+
+
+@dataclass
+class ChatCall:
+    """One generation request, already in llama-server's OpenAI-style shape."""
+
+    body: dict
+    headers: Mapping[str, str] = field(default_factory=dict)
+    raw: Mapping[str, Any] = field(default_factory=dict)
+    path: str = "/v1/chat/completions"
+    side: bool = False  # force a side request (never saved), e.g. embeddings
+
+    @property
+    def messages(self) -> list[dict]:
+        if "messages" in self.body:
+            return list(self.body.get("messages") or [])
+        prompt = self.body.get("prompt")
+        return [{"role": "user", "content": prompt if isinstance(prompt, str) else ""}]
+
+
+class Exchange:
+    """A streaming answer that holds the slot until it is closed."""
+
+    def __init__(self, switch: SlotSwitch, lease: Lease, response):
+        self._switch = switch
+        self.lease = lease
+        self._response = response
+        self.timings: dict = {}
+        self.headers = lease.headers()
+
+    def events(self) -> Iterator[tuple[bytes, dict | None]]:
+        """Upstream SSE events as ``(raw bytes, parsed)``, as they arrive."""
+        for raw, event in sse_events(self._response):
+            if isinstance(event, dict) and isinstance(event.get("timings"), dict):
+                self.timings = event["timings"]
+            yield raw, event
+
+    def close(self) -> None:
+        """Close the upstream request (llama-server stops generating) and free the slot."""
+        self._response.close()
+        self._switch.release(self.lease, self.timings)
+
+
+class Relay:
+    """The path from a dialect to llama-server."""
+
+    def __init__(self, settings: Settings, client: LlamaClient, switch: SlotSwitch):
+        self.settings = settings
+        self.client = client
+        self.switch = switch
+        self._facts: tuple[float, dict] | None = None
+        self._facts_lock = threading.Lock()
+
+    def session_for(self, call: ChatCall, stream: bool) -> identity.Session:
+        if call.side:
+            return identity.Session(identity.SIDE_SESSION, "side-request", persistent=False)
+        return identity.resolve(
+            call.headers, call.raw, call.messages, stream=stream,
+            header_names=self.settings.session_headers,
+            anonymous=self.settings.anonymous_sessions,
+            side_pattern=self.settings.side_request_pattern)
+
+    def _upstream_body(self, call: ChatCall, stream: bool) -> dict:
+        return {**call.body, "stream": stream, "cache_prompt": True,
+                "id_slot": self.settings.slot_id}
+
+    def stream(self, call: ChatCall) -> Exchange:
+        """Take the slot and open a streaming request; the caller must close the exchange."""
+        lease = self.switch.acquire(self.session_for(call, stream=True))
+        try:
+            response = self.client.post_stream(call.path, self._upstream_body(call, True))
+        except BaseException:
+            self.switch.release(lease)
+            raise
+        return Exchange(self.switch, lease, response)
+
+    def complete(self, call: ChatCall) -> tuple[dict, dict[str, str]]:
+        """Take the slot for one non-streaming request; returns the answer and reply headers."""
+        lease = self.switch.acquire(self.session_for(call, stream=False))
+        timings: dict = {}
+        try:
+            result = self.client.post_json(call.path, self._upstream_body(call, False))
+            timings = result.get("timings") or {} if isinstance(result, dict) else {}
+        finally:
+            self.switch.release(lease, timings)
+        return result, lease.headers()
+
+    def side_call(self, path: str, body: dict) -> dict:
+        """A request that uses the slot but belongs to no conversation (embeddings)."""
+        lease = self.switch.acquire(identity.Session(identity.SIDE_SESSION, "side-request",
+                                                     persistent=False))
+        try:
+            return self.client.post_json(path, body)
+        finally:
+            self.switch.release(lease)
+
+    def model_facts(self) -> dict:
+        """llama-server's /props and /v1/models, cached briefly, plus the served name."""
+        with self._facts_lock:
+            if self._facts and time.monotonic() - self._facts[0] < MODEL_FACTS_TTL:
+                return self._facts[1]
+            props = self.client.props()
+            models = self.client.models()
+            entry = (models.get("data") or [{}])[0]
+            upstream_id = entry.get("id") or props.get("model_alias") or "model"
+            facts = {"props": props, "model": entry, "upstream_id": upstream_id,
+                     "name": self.settings.model_name or upstream_id}
+            self._facts = (time.monotonic(), facts)
+            return facts
+
+    def count_tokens(self, body: dict) -> int:
+        """Tokens of the templated prompt, counted by llama-server's own tokenizer."""
+        prompt = self.client.apply_template(body)
+        return len(self.client.tokenize(prompt))

@@ -1,0 +1,64 @@
+"""``make run``: llama-server with the bundled model plus kvproxy under gunicorn.
+
+Waits until both answer, prints where to point clients, and stops both on
+Ctrl-C or SIGTERM.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .llama_process import LlamaServer, wait_until_healthy
+
+
+def main() -> int:
+    port = int(os.environ.get("KVPROXY_PORT", "11434"))
+    llama_port = int(os.environ.get("LLAMA_PORT", "8080"))
+    slot_dir = os.path.abspath(os.environ.get("KVPROXY_SLOT_DIR", "var/slots"))
+    log_dir = Path(os.environ.get("KVPROXY_LOG_DIR", "var/log"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+
+    print(f"kvproxy: starting llama-server on port {llama_port} (slots in {slot_dir})", flush=True)
+    llama = LlamaServer(slot_dir, port=llama_port, log_path=str(log_dir / "llama-server.log"))
+    llama.start()
+    env = {**os.environ, "KVPROXY_UPSTREAM": llama.url, "KVPROXY_SLOT_DIR": slot_dir,
+           "KVPROXY_PORT": str(port)}
+    proxy = subprocess.Popen([sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "wsgi:app"],
+                             env=env, start_new_session=True)
+
+    stopping = False
+
+    def stop(*_args) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        wait_until_healthy(f"http://127.0.0.1:{port}/health", 60, proxy)
+        print(f"kvproxy: ready. llama-server {llama.url}, proxy http://127.0.0.1:{port}\n"
+              f"  OpenWebUI (Ollama API):  OLLAMA_BASE_URL=http://127.0.0.1:{port}\n"
+              f"  OpenAI clients:          base_url=http://127.0.0.1:{port}/v1\n"
+              f"  Anthropic clients:       ANTHROPIC_BASE_URL=http://127.0.0.1:{port}\n"
+              f"  Sessions:                curl http://127.0.0.1:{port}/api/sessions\n"
+              f"  Logs: {log_dir}/llama-server.log. Ctrl-C stops both.", flush=True)
+        while not stopping and proxy.poll() is None and llama.process.poll() is None:
+            time.sleep(0.5)
+    finally:
+        print("kvproxy: stopping", flush=True)
+        if proxy.poll() is None:
+            proxy.send_signal(signal.SIGTERM)
+            try:
+                proxy.wait(35)
+            except subprocess.TimeoutExpired:
+                proxy.kill()
+        llama.stop()
+    return 0 if stopping else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
