@@ -44,9 +44,10 @@ def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
     app.extensions["kvproxy.switch"] = switch
     app.extensions["kvproxy.relay"] = Relay(settings, client, switch)
 
-    from . import admin, ops
-    from .dialects import openai
-    for blueprint in (ops.blueprint, openai.blueprint):
+    from . import admin, metrics, ops
+    from .dialects import anthropic, ollama, openai
+    for blueprint in (ops.blueprint, openai.blueprint, ollama.blueprint, anthropic.blueprint):
         app.register_blueprint(blueprint)
     Api(app).register_blueprint(admin.blueprint)
+    metrics.init_app(app)
     return app

@@ -28,3 +28,14 @@ def observe_swap(kind: str, seconds: float, n_bytes: int) -> None:
     SWAP_SECONDS.labels(kind).observe(seconds)
     if n_bytes:
         SWAP_BYTES.labels(kind).inc(n_bytes)
+
+
+def init_app(app) -> None:
+    """Count every request by route and status."""
+
+    @app.after_request
+    def count_request(response):
+        from flask import request
+        route = request.url_rule.rule if request.url_rule else "unmatched"
+        REQUESTS.labels(route, str(response.status_code)).inc()
+        return response

@@ -123,8 +123,8 @@ class Relay:
             models = self.client.models()
             entry = (models.get("data") or [{}])[0]
             upstream_id = entry.get("id") or props.get("model_alias") or "model"
-            facts = {"props": props, "model": entry, "upstream_id": upstream_id,
-                     "name": self.settings.model_name or upstream_id}
+            name = self.settings.model_name or upstream_id.rsplit("/", 1)[-1].removesuffix(".gguf")
+            facts = {"props": props, "model": entry, "upstream_id": upstream_id, "name": name}
             self._facts = (time.monotonic(), facts)
             return facts
 
