@@ -15,3 +15,13 @@ keepalive = 5
 accesslog = "-"
 errorlog = "-"
 loglevel = os.environ.get("KVPROXY_LOG_LEVEL", "info").lower()
+# Two copies may run side by side (see the README); a shared control socket would collide.
+control_socket_disable = True
+
+
+def worker_exit(server, worker):
+    """Save the session the slot holds, so restarting both processes loses nothing."""
+    app = getattr(worker, "wsgi", None)
+    switch = getattr(app, "extensions", {}).get("kvproxy.switch") if app else None
+    if switch is not None:
+        switch.checkpoint()

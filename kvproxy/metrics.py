@@ -1,12 +1,31 @@
-"""Prometheus metrics, served at GET /metrics (prometheus-client)."""
+"""Prometheus metrics, served at GET /metrics (prometheus-client), and the request log.
+
+Counters and histograms are module globals that the switch and the relay
+update. What lives on disk (slot folder bytes, the active session) is read at
+scrape time by ``SlotFolderCollector``, so it is right even when another
+process changed the folder. ``init_app`` wires both into an app.
+"""
 from __future__ import annotations
 
+import logging
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 REGISTRY = CollectorRegistry()
 
 REQUESTS = Counter("kvproxy_requests_total", "Client requests by route and status",
                    ["route", "status"], registry=REGISTRY)
+REQUEST_SECONDS = Histogram("kvproxy_request_seconds",
+                            "Client request duration by route, to the last byte of the reply",
+                            ["route"],
+                            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
+                                     60, 120, 300),
+                            registry=REGISTRY)
 SWAPS = Counter("kvproxy_swaps_total", "Slot actions by kind (save, restore, erase, base, none)",
                 ["kind"], registry=REGISTRY)
 SWAP_SECONDS = Histogram("kvproxy_swap_seconds", "Duration of slot actions by kind", ["kind"],
@@ -21,6 +40,13 @@ TOKENS = Counter("kvproxy_prompt_tokens_total", "Prompt tokens reused from cache
 RESTORE_MISSES = Counter("kvproxy_restore_misses_total",
                          "Restores refused, failed or not honoured by llama-server", ["reason"],
                          registry=REGISTRY)
+EVICTIONS = Counter("kvproxy_evictions_total",
+                    "Slot files deleted to keep the slot folder within its bounds",
+                    registry=REGISTRY)
+EVICTED_BYTES = Counter("kvproxy_evicted_bytes_total", "Bytes of slot files deleted by eviction",
+                        registry=REGISTRY)
+
+log = logging.getLogger("kvproxy.requests")
 
 
 def observe_swap(kind: str, seconds: float, n_bytes: int) -> None:
@@ -30,12 +56,146 @@ def observe_swap(kind: str, seconds: float, n_bytes: int) -> None:
         SWAP_BYTES.labels(kind).inc(n_bytes)
 
 
+def observe_eviction(n_bytes: int = 0) -> None:
+    """Count one slot file removed by eviction (and its size)."""
+    EVICTIONS.inc()
+    if n_bytes:
+        EVICTED_BYTES.inc(n_bytes)
+
+
+def slot_folder_usage(root: str | Path) -> tuple[int, int]:
+    """``(bytes, files)`` of the ``*.bin`` slot files in ``root``; files vanishing mid-scan are skipped."""
+    total = count = 0
+    try:
+        paths = list(Path(root).glob("*.bin"))
+    except OSError:
+        return 0, 0
+    for path in paths:
+        try:
+            stat = path.stat()
+        except OSError:
+            continue
+        if path.is_file():
+            total += stat.st_size
+            count += 1
+    return total, count
+
+
+class SlotFolderCollector(Collector):
+    """Gauges read at scrape time from the slot folder and the store's state file.
+
+    One collector serves every app in the process: it asks the app serving the
+    scrape (``flask.current_app``) for its store, else the app set up last.
+    """
+
+    def __init__(self) -> None:
+        self._fallback: Callable[[], object] | None = None
+
+    def bind(self, store_getter: Callable[[], object]) -> None:
+        self._fallback = store_getter
+
+    def _store(self):
+        try:
+            from flask import current_app
+            switch = current_app.extensions.get("kvproxy.switch")
+            if switch is not None:
+                return switch.store
+        except RuntimeError:  # outside an app context
+            pass
+        return self._fallback() if self._fallback else None
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        # Fixed families, so registration checks names without touching the disk.
+        yield GaugeMetricFamily("kvproxy_slot_dir_bytes", "Bytes of *.bin slot files in the slot folder")
+        yield GaugeMetricFamily("kvproxy_slot_dir_files", "Number of *.bin slot files in the slot folder")
+        yield GaugeMetricFamily("kvproxy_active_session", "The session the slot holds (value 1)",
+                                labels=["session", "persistent"])
+        yield GaugeMetricFamily("kvproxy_slot_tokens", "Tokens the slot holds, as last recorded")
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        store = self._store()
+        n_bytes = n_files = 0
+        state: dict = {}
+        if store is not None:
+            n_bytes, n_files = slot_folder_usage(store.root)
+            try:
+                state = store.read_state() or {}
+            except Exception:  # a scrape must not fail on a bad state file
+                state = {}
+        yield GaugeMetricFamily("kvproxy_slot_dir_bytes",
+                                "Bytes of *.bin slot files in the slot folder", value=n_bytes)
+        yield GaugeMetricFamily("kvproxy_slot_dir_files",
+                                "Number of *.bin slot files in the slot folder", value=n_files)
+        active = GaugeMetricFamily("kvproxy_active_session", "The session the slot holds (value 1)",
+                                   labels=["session", "persistent"])
+        if state.get("active"):
+            active.add_metric([str(state["active"]),
+                               "true" if state.get("active_persistent") else "false"], 1)
+        yield active
+        yield GaugeMetricFamily("kvproxy_slot_tokens", "Tokens the slot holds, as last recorded",
+                                value=int(state.get("slot_tokens") or 0))
+
+
+SLOT_FOLDER = SlotFolderCollector()
+REGISTRY.register(SLOT_FOLDER)
+
+
+def _fmt(value: object) -> str:
+    """A log field value: bare when simple, quoted otherwise."""
+    text = "-" if value is None or value == "" else str(value)
+    if any(c in text for c in ' "=\n'):
+        return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    return text
+
+
+def format_request_line(fields: dict) -> str:
+    return " ".join(f"{key}={_fmt(value)}" for key, value in fields.items())
+
+
 def init_app(app) -> None:
-    """Count every request by route and status."""
+    """Count every request by route and status, log one line per request, expose folder gauges."""
+    from flask import g, request
+
+    switch = app.extensions.get("kvproxy.switch")
+    if switch is not None:
+        SLOT_FOLDER.bind(lambda: switch.store)
+
+    @app.before_request
+    def start_clock():
+        g.kvproxy_started = time.perf_counter()
 
     @app.after_request
     def count_request(response):
-        from flask import request
         route = request.url_rule.rule if request.url_rule else "unmatched"
         REQUESTS.labels(route, str(response.status_code)).inc()
+        started = getattr(g, "kvproxy_started", None) or time.perf_counter()
+        fields = {
+            "method": request.method,
+            "route": route,
+            "path": request.path,
+            "status": response.status_code,
+            "session": response.headers.get("X-KVProxy-Session"),
+            "cache": response.headers.get("X-KVProxy-Cache"),
+        }
+
+        def finish(streamed: bool) -> None:
+            elapsed = time.perf_counter() - started
+            REQUEST_SECONDS.labels(route).observe(elapsed)
+            if log.isEnabledFor(logging.INFO):
+                log.info("request %s", format_request_line(
+                    {**fields, "streamed": "true" if streamed else "false",
+                     "duration_ms": f"{elapsed * 1000:.1f}"}))
+
+        if response.is_streamed:
+            # The body is sent after this hook: log when the server closes the response.
+            done = []
+
+            def on_close() -> None:
+                if not done:
+                    done.append(True)
+                    finish(True)
+
+            response.call_on_close(on_close)
+        else:
+            finish(False)
         return response

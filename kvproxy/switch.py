@@ -171,7 +171,7 @@ class SlotSwitch:
             return False
         for slot in slots:
             if slot.get("id") == self.slot_id:
-                return slot_token_count(slot) == 0
+                return slot_is_empty(slot)
         return False
 
     def _save(self, session_id: str, stem: str, made_by: dict, kind: str,
@@ -252,6 +252,27 @@ class SlotSwitch:
         finally:
             self.release(lease)
 
+    def checkpoint(self, timeout: float = 10) -> bool:
+        """Save the active session now (at shutdown), so a later llama-server restart loses nothing."""
+        bound, self.lock_timeout = self.lock_timeout, timeout
+        try:
+            self._lock()
+        except SlotBusy:
+            return False
+        finally:
+            self.lock_timeout = bound
+        try:
+            state = self.store.read_state()
+            if not (state.get("active_persistent") and state.get("active")) or self._slot_lost(state):
+                return False
+            return self._save(state["active"], state["active_stem"], self.current_made_by(),
+                              kind="session", system_hash=state.get("active_system_hash")) is not None
+        except (UpstreamError, UpstreamUnavailable) as exc:
+            log.warning("could not save the active session at shutdown: %s", exc)
+            return False
+        finally:
+            self._unlock()
+
     def forget(self, session_id: str) -> bool:
         """Delete a session's (or base snapshot's) files; erase the slot if it holds it."""
         stems = {s["stem"] for s in self.store.sidecars() if s.get("session_id") == session_id}
@@ -323,9 +344,10 @@ class SlotSwitch:
                       "it comes back when the model or llama-server build changes", misses[key])
 
 
-def slot_token_count(slot: dict) -> int:
-    """Tokens a slot reports holding, across llama-server versions."""
-    for key in ("n_past", "n_prompt_tokens_cache", "n_cache_tokens", "n_prompt_tokens"):
-        if isinstance(slot.get(key), int):
-            return slot[key]
-    return 0
+def slot_is_empty(slot: dict) -> bool:
+    """Whether a /slots entry shows a slot that lost its tokens.
+
+    A freshly started llama-server lists the slot without ``id_task``; after a
+    task, ``n_prompt_tokens`` is the number of tokens the slot holds.
+    """
+    return "id_task" not in slot or not slot.get("n_prompt_tokens")

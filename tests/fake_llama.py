@@ -1,0 +1,85 @@
+"""A stand-in for llama-server's slot and model endpoints, on top of `responses`.
+
+It records every slot action and writes a small file on save, as llama-server
+does, so tests can check the swap sequence and the files it leaves.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import responses
+
+UPSTREAM = "http://llama.test"
+PROPS = {"model_path": "/models/tiny.gguf", "build_info": "b1-test", "total_slots": 1,
+         "default_generation_settings": {"n_ctx": 8192}, "modalities": {"vision": False}}
+MODELS = {"object": "list", "data": [{"id": "tiny.gguf", "object": "model", "created": 1,
+                                      "meta": {"size": 1000, "n_params": 135, "n_ctx_train": 8192}}]}
+
+
+class FakeLlama:
+    def __init__(self, mock: responses.RequestsMock, slot_dir: Path):
+        self.mock = mock
+        self.slot_dir = Path(slot_dir)
+        self.actions: list[tuple[str, str | None]] = []
+        self.tokens = 0            # tokens the slot holds
+        self.props = dict(PROPS)
+        self.fail_restore = False
+        self.chat_timings = {"cache_n": 0, "prompt_n": 10, "predicted_n": 2}
+        mock.add_callback(responses.POST, re.compile(rf"{UPSTREAM}/slots/0\?action=\w+"),
+                          callback=self._slot)
+        mock.add_callback(responses.GET, f"{UPSTREAM}/props", callback=lambda r: self._json(self.props))
+        mock.add(responses.GET, f"{UPSTREAM}/v1/models", json=MODELS)
+        mock.add_callback(responses.GET, f"{UPSTREAM}/slots",
+                          callback=lambda r: self._json([self.slot_entry()]))
+        mock.add(responses.GET, f"{UPSTREAM}/health", json={"status": "ok"})
+        mock.add_callback(responses.POST, f"{UPSTREAM}/v1/chat/completions", callback=self._chat)
+
+    def slot_entry(self) -> dict:
+        """As llama-server lists it: no id_task until a task ran since start."""
+        if self.tokens == 0:
+            return {"id": 0, "n_ctx": 8192, "is_processing": False}
+        return {"id": 0, "n_ctx": 8192, "is_processing": False, "id_task": 1,
+                "n_prompt_tokens": self.tokens}
+
+    @staticmethod
+    def _json(body, status=200):
+        return status, {"Content-Type": "application/json"}, json.dumps(body)
+
+    def _slot(self, request):
+        action = request.url.split("action=")[1]
+        filename = json.loads(request.body or b"{}").get("filename")
+        self.actions.append((action, filename))
+        if action == "save":
+            (self.slot_dir / filename).write_bytes(b"ggsq" + bytes(self.tokens))
+            return self._json({"id_slot": 0, "filename": filename, "n_saved": self.tokens,
+                               "n_written": self.tokens + 4, "timings": {"save_ms": 1.5}})
+        if action == "restore":
+            path = self.slot_dir / filename
+            if self.fail_restore or not path.exists():
+                self.tokens = 0
+                return self._json({"error": {"code": 400, "message": "Unable to restore slot",
+                                             "type": "invalid_request_error"}}, 400)
+            self.tokens = path.stat().st_size - 4
+            return self._json({"id_slot": 0, "filename": filename, "n_restored": self.tokens,
+                               "n_read": self.tokens + 4, "timings": {"restore_ms": 0.5}})
+        erased, self.tokens = self.tokens, 0
+        return self._json({"id_slot": 0, "n_erased": erased})
+
+    def _chat(self, request):
+        body = json.loads(request.body)
+        timings = dict(self.chat_timings)
+        self.tokens = timings["cache_n"] + timings["prompt_n"] + timings["predicted_n"]
+        message = {"role": "assistant", "content": "ok"}
+        if body.get("stream"):
+            chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": "ok"}}]},
+                      {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+                       "timings": timings}]
+            text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+            return 200, {"Content-Type": "text/event-stream"}, text
+        return self._json({"choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                           "usage": {"prompt_tokens": timings["prompt_n"] + timings["cache_n"],
+                                     "completion_tokens": 2,
+                                     "prompt_tokens_details": {"cached_tokens": timings["cache_n"]}},
+                           "timings": timings})

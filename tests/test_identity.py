@@ -1,0 +1,116 @@
+"""Session identity: priority of every source, hashing fallbacks, hostile ids."""
+import os
+import re
+
+import pytest
+
+from kvproxy import identity
+from kvproxy.config import load_settings
+
+HEADERS = load_settings({}).session_headers
+SYSTEM = [{"role": "system", "content": "You are terse."}]
+
+
+def resolve(headers=None, body=None, messages=None, stream=True, anonymous="conversation"):
+    return identity.resolve(headers or {}, body or {}, messages if messages is not None else SYSTEM,
+                            stream=stream, header_names=HEADERS, anonymous=anonymous)
+
+
+@pytest.mark.parametrize("header", ["X-Session-Id", "X-Conversation-Id", "Session-Id",
+                                    "Conversation-Id", "X-OpenWebUI-Chat-Id",
+                                    "X-Claude-Code-Session-Id"])
+def test_each_header_names_the_session(header):
+    session = resolve(headers={header: "abc-1"}, body={"session_id": "body"})
+    assert (session.id, session.source) == ("abc-1", f"header:{header}")
+
+
+def test_headers_follow_the_configured_order():
+    headers = {name: f"id-{i}" for i, name in enumerate(HEADERS)}
+    for i, name in enumerate(HEADERS):
+        assert resolve(headers=headers).id == f"id-{i}"
+        headers.pop(name)
+
+
+@pytest.mark.parametrize("body,expected", [
+    ({"metadata": {"user_id": "u_1_session_2"}, "prompt_cache_key": "k", "session_id": "s"},
+     ("u_1_session_2", "body:metadata.user_id")),
+    ({"prompt_cache_key": "k", "user": "alice", "session_id": "s"}, ("k", "body:prompt_cache_key")),
+    ({"user": "alice", "session_id": "s"}, ("alice", "body:user")),
+    ({"session_id": "s", "conversation_id": "c"}, ("s", "body:session_id")),
+    ({"conversation_id": "c", "chat_id": "x"}, ("c", "body:conversation_id")),
+    ({"chat_id": "x", "id": "chat-1"}, ("x", "body:chat_id")),
+    ({"id": "chat-42"}, ("chat-42", "body:id")),
+    ({"id": "6f1c2a3b-1111-4222-8333-944455556666"},
+     ("6f1c2a3b-1111-4222-8333-944455556666", "body:id")),
+    ({"session_id": 1234}, ("1234", "body:session_id")),
+])
+def test_body_fields_in_priority_order(body, expected):
+    session = resolve(body=body)
+    assert (session.id, session.source) == expected
+
+
+def test_an_id_that_does_not_look_like_a_chat_is_ignored():
+    session = resolve(body={"id": "hello world"})
+    assert session.source == "conversation-hash"
+
+
+def test_blank_ids_fall_through():
+    assert resolve(headers={"X-Session-Id": "  "}, body={"session_id": ""}).source == \
+        "conversation-hash"
+
+
+def test_conversation_hash_is_stable_as_the_conversation_grows():
+    first = SYSTEM + [{"role": "user", "content": "hi"}]
+    later = first + [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
+    other = SYSTEM + [{"role": "user", "content": "a different chat"}]
+    assert resolve(messages=first).id == resolve(messages=later).id
+    assert resolve(messages=first).id != resolve(messages=other).id
+    assert resolve(messages=first).id.startswith("conv-")
+
+
+def test_system_mode_shares_one_session_per_system_prompt():
+    one = resolve(messages=SYSTEM + [{"role": "user", "content": "a"}], anonymous="system")
+    two = resolve(messages=SYSTEM + [{"role": "user", "content": "b"}], anonymous="system")
+    assert one.id == two.id == "sys-" + identity.short_hash("You are terse.")
+
+
+def test_system_prompt_is_found_in_every_shape():
+    blocks = [{"role": "system", "content": [{"type": "text", "text": "You are terse."}]}]
+    developer = [{"role": "developer", "content": "You are terse."}]
+    for messages in (SYSTEM, blocks, developer):
+        assert resolve(messages=messages, anonymous="system").system_hash == \
+            identity.short_hash("You are terse.")
+
+
+def test_no_system_and_no_user_is_default():
+    session = resolve(messages=[])
+    assert session.id == "default" and not session.persistent
+
+
+def test_side_requests_are_not_persistent():
+    task = [{"role": "user", "content": "### Task:\nGenerate a title"}]
+    assert resolve(messages=task, stream=False, headers={"X-OpenWebUI-Chat-Id": "c1"}).id == "side"
+    assert resolve(messages=task, stream=True, headers={"X-OpenWebUI-Chat-Id": "c1"}).id == "c1"
+
+
+HOSTILE = ["../../etc/passwd", "/abs/path", "a\x00b", "..", ".", "x" * 5000, "日本語のチャット",
+           "con:aux*?\"<>|", "\\\\server\\share", "a/../../b", "-", "\n\t"]
+
+
+@pytest.mark.parametrize("hostile", HOSTILE)
+def test_hostile_ids_stay_in_the_folder(hostile, tmp_path):
+    stem = identity.file_stem(hostile)
+    assert re.fullmatch(r"[A-Za-z0-9_-]{1,48}-[0-9a-f]{16}", stem)
+    assert len(stem.encode()) + len(".json") <= 255
+    path = (tmp_path / f"{stem}.bin").resolve()
+    assert path.parent == tmp_path.resolve()
+    assert ".." not in stem and os.sep not in stem
+
+
+def test_distinct_ids_get_distinct_files():
+    ids = ["a/b", "a_b", "a b", "a:b", "A/B"]
+    assert len({identity.file_stem(i) for i in ids}) == len(ids)
+
+
+def test_base_stems_cannot_be_named_by_a_client():
+    assert identity.file_stem("base.0123456789abcdef") != identity.base_stem("0123456789abcdef")

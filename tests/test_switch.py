@@ -1,0 +1,160 @@
+"""The slot switch against a stubbed llama-server: swap sequence, files, lock bounds."""
+import threading
+
+import pytest
+import responses
+
+from kvproxy import create_app
+from kvproxy.identity import Session, base_stem
+from kvproxy.llama import LlamaClient
+from kvproxy.store import SessionStore
+from kvproxy.switch import BASE, HIT, MISS, RESTORED, SlotBusy, SlotSwitch
+from tests.fake_llama import UPSTREAM, FakeLlama
+
+
+@pytest.fixture
+def fake(tmp_path):
+    with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
+        yield FakeLlama(mock, tmp_path)
+
+
+def make_switch(tmp_path, **kwargs):
+    return SlotSwitch(LlamaClient(UPSTREAM), SessionStore(tmp_path), **kwargs)
+
+
+def turn(switch, session, fake, timings=None):
+    """One request: take the slot, 'generate', release with timings."""
+    lease = switch.acquire(session)
+    fake.tokens = (timings or fake.chat_timings)["cache_n"] + 12
+    switch.release(lease, timings or {"cache_n": lease.restored_tokens, "prompt_n": 10,
+                                      "predicted_n": 2})
+    return lease
+
+
+A = Session("A", "test", system_hash="aaaa")
+B = Session("B", "test", system_hash="bbbb")
+DEFAULT = Session("default", "default", persistent=False)
+
+
+def test_new_session_erases_and_same_session_does_nothing(tmp_path, fake):
+    switch = make_switch(tmp_path, base_snapshots=False)
+    assert turn(switch, A, fake).cache == MISS
+    assert fake.actions == [("erase", None)]
+    assert turn(switch, A, fake).cache == HIT
+    assert fake.actions == [("erase", None)]
+
+
+def test_switch_saves_old_and_restores_new(tmp_path, fake):
+    switch = make_switch(tmp_path, base_snapshots=False)
+    turn(switch, A, fake)
+    turn(switch, B, fake)
+    assert fake.actions[1:] == [("save", f"{A.stem}.bin"), ("erase", None)]
+    lease = turn(switch, A, fake)
+    assert lease.cache == RESTORED and lease.restored_tokens == 12
+    assert fake.actions[3:] == [("save", f"{B.stem}.bin"), ("restore", f"{A.stem}.bin")]
+    sidecar = SessionStore(tmp_path).read_sidecar(A.stem)
+    assert sidecar["session_id"] == "A" and sidecar["n_tokens"] == 12
+    assert sidecar["made_by"]["model_path"] == "/models/tiny.gguf" and sidecar["hits"] == 2
+
+
+def test_default_is_never_saved(tmp_path, fake):
+    switch = make_switch(tmp_path, base_snapshots=False)
+    turn(switch, DEFAULT, fake)
+    turn(switch, A, fake)
+    assert ("save", "default.bin") not in fake.actions
+    assert [a for a, _ in fake.actions] == ["erase", "erase"]
+
+
+def test_no_restore_without_a_file(tmp_path, fake):
+    switch = make_switch(tmp_path, base_snapshots=False)
+    turn(switch, A, fake)
+    turn(switch, B, fake)
+    (tmp_path / f"{A.stem}.bin").unlink()
+    assert turn(switch, A, fake).cache == MISS
+    assert ("restore", f"{A.stem}.bin") not in fake.actions
+
+
+def test_file_from_another_model_is_not_restored(tmp_path, fake):
+    switch = make_switch(tmp_path, base_snapshots=False)
+    turn(switch, A, fake)
+    turn(switch, B, fake)
+    fake.props = {**fake.props, "model_path": "/models/other.gguf"}
+    assert turn(switch, A, fake).cache == MISS
+    assert ("restore", f"{A.stem}.bin") not in fake.actions
+    assert "other.gguf" in SessionStore(tmp_path).read_sidecar(A.stem)["refused"]
+
+
+def test_failed_restore_leaves_a_clean_slot(tmp_path, fake):
+    switch = make_switch(tmp_path, base_snapshots=False)
+    turn(switch, A, fake)
+    turn(switch, B, fake)
+    fake.fail_restore = True
+    assert turn(switch, A, fake).cache == MISS
+    assert fake.actions[-2:] == [("restore", f"{A.stem}.bin"), ("erase", None)]
+
+
+def test_base_snapshot_is_made_once_and_used_by_new_sessions(tmp_path, fake):
+    switch = make_switch(tmp_path)
+    one = Session("one", "test", system_hash="cafe")
+    two = Session("two", "test", system_hash="cafe")
+    turn(switch, one, fake)
+    assert fake.actions[-1] == ("save", f"{base_stem('cafe')}.bin")
+    lease = turn(switch, two, fake)
+    assert lease.cache == BASE
+    assert fake.actions[-2:] == [("save", f"{one.stem}.bin"), ("restore", f"{base_stem('cafe')}.bin")]
+    assert sum(1 for a in fake.actions if a == ("save", f"{base_stem('cafe')}.bin")) == 1
+
+
+def test_llama_server_restart_is_noticed(tmp_path, fake):
+    switch = make_switch(tmp_path, base_snapshots=False)
+    turn(switch, A, fake)
+    turn(switch, B, fake)
+    turn(switch, A, fake)
+    fake.tokens = 0  # llama-server restarted: the slot is empty
+    lease = turn(switch, A, fake)
+    assert lease.cache == RESTORED
+    assert fake.actions[-1] == ("restore", f"{A.stem}.bin")
+    assert fake.actions[-2][0] != "save", "an empty slot must not overwrite the session's file"
+
+
+def test_unhonoured_restores_switch_restoring_off(tmp_path, fake):
+    switch = make_switch(tmp_path, base_snapshots=False, restore_miss_limit=2)
+    ignored = {"cache_n": 0, "prompt_n": 501, "predicted_n": 1}
+    for session in (A, B):  # both get a saved file of 500 tokens
+        fake.tokens = 500
+        switch.release(switch.acquire(session), ignored)
+    misses = []
+    for session in (A, B):  # each restore reports 500 tokens, the answer reuses none
+        fake.tokens = 500
+        lease = switch.acquire(session)
+        assert lease.cache == RESTORED and lease.restored_tokens == 500
+        switch.release(lease, ignored)
+        misses.append(SessionStore(tmp_path).read_sidecar(session.stem).get("restore_not_honoured_at"))
+    assert all(misses)
+    assert SessionStore(tmp_path).read_state()["restore_disabled"]
+    assert switch.acquire(A).cache == MISS
+
+
+def test_waiting_longer_than_the_bound_raises_busy(tmp_path, fake):
+    switch = make_switch(tmp_path, lock_timeout=0.3)
+    lease = switch.acquire(A)
+    errors = []
+    thread = threading.Thread(target=lambda: errors.append(
+        pytest.raises(SlotBusy, switch.acquire, B)))
+    thread.start()
+    thread.join(5)
+    switch.release(lease)
+    assert errors and errors[0].value.retry_after >= 1
+
+
+def test_busy_slot_is_503_with_retry_after_in_openai_shape(tmp_path, fake):
+    app = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM, "lock_timeout": 0.2})
+    switch = app.extensions["kvproxy.switch"]
+    lease = switch.acquire(A)
+    try:
+        reply = app.test_client().post("/v1/chat/completions",
+                                       json={"messages": [{"role": "user", "content": "hi"}]})
+    finally:
+        switch.release(lease)
+    assert reply.status_code == 503 and int(reply.headers["Retry-After"]) >= 1
+    assert reply.json["error"]["message"].startswith("the model is busy")
