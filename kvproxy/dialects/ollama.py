@@ -1,4 +1,427 @@
-"""Ollama API (placeholder: routes come with their issue)."""
-from flask import Blueprint
+"""Ollama API: the routes OpenWebUI, the ``ollama`` client and Copilot call.
+
+kvproxy serves the one model llama-server loaded, under ``<name>:<model_tag>``.
+Chat and generate are translated by ``ollama_translate`` and run through the
+relay like every dialect; model routes describe the model from llama-server's
+``/props`` and ``/v1/models`` plus the GGUF header when the file is readable.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import re
+import struct
+import time
+from datetime import datetime, timezone
+from typing import Any, BinaryIO, Callable
+
+from flask import Blueprint, Response, current_app, jsonify, request
+
+from ..llama import UpstreamError
+from ..relay import ChatCall
+from . import ollama_translate as tr
+from .common import HANDLED, failure, json_body, relay, serve_chat
 
 blueprint = Blueprint("ollama", __name__)
+log = logging.getLogger("kvproxy.ollama")
+
+NDJSON = "application/x-ndjson"
+# llama-server keeps its model loaded for as long as it runs.
+NEVER_EXPIRES = "9999-12-31T23:59:59Z"
+NO_EMBEDDINGS = ("embeddings are not available: llama-server answers that it does not support "
+                 "them; start llama-server with --embeddings to use /api/embed")
+ONE_MODEL = ("kvproxy serves the one model llama-server loaded ('{name}') and cannot {action} "
+             "models; load another GGUF in llama-server instead")
+# Used only when the GGUF header cannot be read (llama-server on another host).
+KNOWN_ARCHITECTURES = ("qwen3moe", "qwen3", "qwen2", "gemma3", "gemma2", "gemma", "llama",
+                       "mistral", "phi3", "phi", "deepseek2", "granite", "olmo", "falcon",
+                       "starcoder2", "command-r", "gptoss", "gpt-oss")
+THINKING_MARKERS = re.compile(r"enable_thinking|reasoning_content|<think>|\[THINK\]|\bthinking\b")
+
+
+# -- wire helpers -----------------------------------------------------------
+def ndjson(obj: dict) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+
+
+def render_error(status: int, message: str, headers: dict | None = None) -> Response:
+    response = jsonify({"error": message})
+    response.status_code = status
+    response.headers.update(headers or {})
+    return response
+
+
+def render_stream_error(_status: int, message: str) -> bytes:
+    return ndjson({"error": message})
+
+
+def answers_errors(view: Callable) -> Callable:
+    """Every failure as Ollama's ``{"error": ...}`` with its status, never an HTML page."""
+    @functools.wraps(view)
+    def wrapped(*args, **kwargs):
+        try:
+            return view(*args, **kwargs)
+        except tr.Invalid as exc:
+            return render_error(exc.status, exc.message)
+        except HANDLED as exc:
+            return render_error(*failure(exc))
+        except Exception as exc:  # noqa: BLE001 - a client must still get JSON
+            log.exception("ollama route %s failed", request.path)
+            return render_error(500, f"kvproxy internal error: {exc.__class__.__name__}")
+    return wrapped
+
+
+# -- the served model -------------------------------------------------------
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+                 10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def _gguf_value(f: BinaryIO, kind: int) -> Any:
+    """One GGUF value; arrays (tokenizer tables) are skipped and come back as None."""
+    def unpack(fmt: str) -> Any:
+        return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+    if kind == _GGUF_STRING:
+        size = unpack("<Q")
+        if size > 1 << 24:
+            raise ValueError("implausible GGUF string length")
+        return f.read(size).decode("utf-8", "replace")
+    if kind == _GGUF_ARRAY:
+        item_kind, count = unpack("<I"), unpack("<Q")
+        if item_kind in _GGUF_SCALARS:
+            f.seek(count * struct.calcsize(_GGUF_SCALARS[item_kind]), os.SEEK_CUR)
+        else:
+            for _ in range(count):
+                _gguf_value(f, item_kind)
+        return None
+    if kind not in _GGUF_SCALARS:
+        raise ValueError(f"unknown GGUF value type {kind}")
+    return unpack(_GGUF_SCALARS[kind])
+
+
+def read_gguf_metadata(f: BinaryIO, max_keys: int = 4096) -> dict:
+    """Scalar metadata of a GGUF file (general.*, <arch>.*), read from its header only.
+
+    llama-server does not expose the architecture, so this is the honest source of
+    ``general.architecture``. A damaged header yields what was read before the damage.
+    """
+    out: dict = {}
+    try:
+        if f.read(4) != b"GGUF" or struct.unpack("<I", f.read(4))[0] < 2:
+            return out
+        _tensors, n_keys = struct.unpack("<QQ", f.read(16))
+        for _ in range(min(n_keys, max_keys)):
+            key = _gguf_value(f, _GGUF_STRING)
+            value = _gguf_value(f, struct.unpack("<I", f.read(4))[0])
+            if value is not None and not key.startswith("tokenizer."):
+                out[key] = value
+    except (struct.error, ValueError, OSError):
+        pass
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_file(path: str, size: int, mtime_ns: int) -> dict:
+    with open(path, "rb") as f:
+        return read_gguf_metadata(f)
+
+
+def _file_facts(path: str) -> tuple[dict, int | None, float | None]:
+    """GGUF metadata, size and mtime of the model file when kvproxy can read it."""
+    try:
+        stat = os.stat(path)
+        return _gguf_file(path, stat.st_size, stat.st_mtime_ns), stat.st_size, stat.st_mtime
+    except OSError:
+        return {}, None, None
+
+
+def guess_architecture(name: str) -> str:
+    """Architecture from the model name, for when the GGUF header is out of reach."""
+    lowered = name.lower()
+    return next((arch for arch in KNOWN_ARCHITECTURES if arch in lowered), "unknown")
+
+
+def quantization(ftype: Any, name: str) -> str:
+    """llama.cpp's ftype name ("Q4_K - Medium", "(guessed) F16") in Ollama's spelling (Q4_K_M)."""
+    text = str(ftype or "").replace("(guessed) ", "").replace("all ", "").strip()
+    sizes = {"small": "S", "medium": "M", "large": "L"}
+    match = re.match(r"^(\S+) - (\w+)", text)
+    if match:
+        suffix = sizes.get(match.group(2).lower())
+        text = f"{match.group(1)}_{suffix}" if suffix else match.group(1)
+    if text:
+        return text
+    found = re.search(r"(I?Q\d\w*|BF16|F16|F32)", name, re.IGNORECASE)
+    return found.group(1).upper() if found else ""
+
+
+def parameter_size(n_params: Any) -> str:
+    if not isinstance(n_params, (int, float)) or n_params <= 0:
+        return ""
+    return f"{n_params / 1e9:.1f}B" if n_params >= 1e9 else f"{n_params / 1e6:.2f}M"
+
+
+def capabilities(props: dict) -> list[str]:
+    """What the model can really do, from llama-server's template caps and modalities."""
+    caps = ["completion"]
+    template_caps = props.get("chat_template_caps") or {}
+    template = (props.get("chat_template_tool_use") or "") + (props.get("chat_template") or "")
+    if template_caps.get("supports_tools") or template_caps.get("supports_tool_calls"):
+        caps.append("tools")
+    if (props.get("modalities") or {}).get("vision"):
+        caps.append("vision")
+    if template_caps.get("supports_reasoning_effort") or THINKING_MARKERS.search(template):
+        caps.append("thinking")
+    return caps
+
+
+def context_length(props: dict, meta: dict) -> int:
+    """The context llama-server really serves (capped by training): clients budget with it."""
+    served = (props.get("default_generation_settings") or {}).get("n_ctx") or meta.get("n_ctx")
+    values = [int(v) for v in (served, meta.get("n_ctx_train"))
+              if isinstance(v, (int, float)) and v > 0]
+    return min(values) if values else 0
+
+
+def _iso(timestamp: float) -> str:
+    return tr.created_at(datetime.fromtimestamp(timestamp, timezone.utc))
+
+
+def describe() -> dict:
+    """The served model in the terms every Ollama model route uses."""
+    facts = relay().model_facts()
+    props, meta = facts["props"], facts["model"].get("meta") or {}
+    path = props.get("model_path") or ""
+    gguf, file_size, mtime = _file_facts(path)
+    arch = gguf.get("general.architecture") or guess_architecture(facts["name"] + " " + path)
+    ctx = context_length(props, meta)
+    size = file_size or int(meta.get("size") or 0)
+    details = {"parent_model": "", "format": "gguf", "family": arch, "families": [arch],
+               "parameter_size": parameter_size(meta.get("n_params")),
+               "quantization_level": quantization(props.get("model_ftype") or meta.get("ftype"),
+                                                  path or facts["name"])}
+    info = {key: value for key, value in gguf.items()
+            if key.startswith("general.") or key.startswith(arch + ".")}
+    info.update({"general.architecture": arch, f"{arch}.context_length": ctx})
+    if meta.get("n_params"):
+        info["general.parameter_count"] = meta["n_params"]
+    info.setdefault(f"{arch}.embedding_length", meta.get("n_embd"))
+    info.setdefault(f"{arch}.vocab_size", meta.get("n_vocab"))
+    tag = current_app.config["KVPROXY"].model_tag
+    # Not the file's sha256 (that means reading gigabytes): a stable id of what is served.
+    digest = hashlib.sha256(f"{path}|{size}|{meta.get('n_params')}|{mtime}".encode()).hexdigest()
+    return {"name": f"{facts['name']}:{tag}", "base": facts["name"], "size": size,
+            "digest": digest, "modified_at": _iso(mtime or facts["model"].get("created") or 0),
+            "details": details, "model_info": {k: v for k, v in info.items() if v is not None},
+            "capabilities": capabilities(props), "context_length": ctx, "path": path,
+            "template": props.get("chat_template") or "", "license": gguf.get("general.license", ""),
+            "upstream_id": facts["upstream_id"], "sleeping": bool(props.get("is_sleeping"))}
+
+
+def requested_model(body: dict, model: dict, field: str = "model") -> str:
+    """The name the client asked for; it must be the served model, with or without its tag."""
+    name = body.get(field) or (body.get("name") if field == "model" else None)
+    if not isinstance(name, str) or not name.strip():
+        raise tr.Invalid(f"'{field}' is required")
+    accepted = {model["name"].lower(), model["base"].lower(), model["upstream_id"].lower()}
+    if name.strip().lower() not in accepted:
+        raise tr.Invalid(f"model '{name}' not found", 404)
+    return name
+
+
+def _stream_flag(body: dict) -> bool:
+    """Ollama streams unless told ``stream: false``."""
+    stream = body.get("stream")
+    if stream is None:
+        return True
+    if not isinstance(stream, bool):
+        raise tr.Invalid("'stream' must be true or false")
+    return stream
+
+
+# -- model routes -----------------------------------------------------------
+@blueprint.route("/", methods=["GET", "HEAD"])
+def root() -> Response:
+    return Response("Ollama is running", mimetype="text/plain")
+
+
+@blueprint.get("/api/version")
+def version() -> Response:
+    return jsonify({"version": current_app.config["KVPROXY"].ollama_version})
+
+
+def _listed(model: dict) -> dict:
+    return {key: model[key] for key in ("name", "size", "digest", "details")} | {
+        "model": model["name"], "modified_at": model["modified_at"]}
+
+
+@blueprint.get("/api/tags")
+@answers_errors
+def tags() -> Response:
+    return jsonify({"models": [_listed(describe())]})
+
+
+@blueprint.post("/api/show")
+@answers_errors
+def show() -> Response:
+    model = describe()
+    requested_model(json_body(), model)
+    return jsonify({
+        "license": model["license"], "template": model["template"],
+        "modelfile": f"# served by llama-server through kvproxy\nFROM {model['path']}\n",
+        "parameters": f"num_ctx {model['context_length']}", "details": model["details"],
+        "model_info": model["model_info"], "capabilities": model["capabilities"],
+        "modified_at": model["modified_at"]})
+
+
+@blueprint.get("/api/ps")
+@answers_errors
+def ps() -> Response:
+    """The model is loaded while llama-server runs; VRAM use is not reported by llama-server."""
+    model = describe()
+    if model["sleeping"]:
+        return jsonify({"models": []})
+    entry = _listed(model) | {"expires_at": NEVER_EXPIRES, "size_vram": 0,
+                              "context_length": model["context_length"]}
+    return jsonify({"models": [entry]})
+
+
+# -- generation -------------------------------------------------------------
+def _serve(call: ChatCall, kind: str, name: str, stream: bool, started: int,
+           keep_thinking: bool) -> Response:
+    def render_full(result: dict) -> dict:
+        return tr.full_reply(kind, result, name, started, time.monotonic_ns(), keep_thinking)
+
+    def render_stream(events):
+        for obj in tr.stream_objects(events, kind=kind, model=name, started_ns=started,
+                                     clock=time.monotonic_ns, keep_thinking=keep_thinking):
+            yield ndjson(obj)
+
+    return serve_chat(call, stream=stream, render_full=render_full, render_stream=render_stream,
+                      render_error=render_error, render_stream_error=render_stream_error,
+                      mimetype=NDJSON)
+
+
+@blueprint.post("/api/chat")
+@answers_errors
+def chat() -> Response:
+    started = time.monotonic_ns()
+    body = json_body()
+    model = describe()
+    name, stream = requested_model(body, model), _stream_flag(body)
+    if not body.get("messages"):
+        return jsonify(tr.load_reply("chat", name, body.get("keep_alive")))
+    upstream = tr.chat_body(body, vision="vision" in model["capabilities"])
+    call = ChatCall(body=upstream, headers=request.headers, raw=body, path="/v1/chat/completions")
+    return _serve(call, "chat", name, stream, started, body.get("think") is not False)
+
+
+@blueprint.post("/api/generate")
+@answers_errors
+def generate() -> Response:
+    started = time.monotonic_ns()
+    body = json_body()
+    model = describe()
+    name, stream = requested_model(body, model), _stream_flag(body)
+    if not body.get("prompt") and not body.get("images"):
+        return jsonify(tr.load_reply("generate", name, body.get("keep_alive")))
+    path, upstream = tr.generate_call(body, vision="vision" in model["capabilities"])
+    call = ChatCall(body=upstream, headers=request.headers, raw=body, path=path)
+    return _serve(call, "generate", name, stream, started, body.get("think") is not False)
+
+
+def _embed(inputs: list[str], model: dict) -> tuple[list[list[float]], int]:
+    """Vectors from llama-server's /v1/embeddings, in input order, and the tokens used."""
+    try:
+        result = relay().side_call("/v1/embeddings", {"input": inputs,
+                                                      "model": model["upstream_id"]})
+    except UpstreamError as exc:
+        if exc.status == 501 or "--embeddings" in exc.message:
+            raise tr.Invalid(NO_EMBEDDINGS, 501) from None
+        raise
+    data = sorted(result.get("data") or [], key=lambda item: item.get("index", 0))
+    return [item.get("embedding") or [] for item in data], \
+        int((result.get("usage") or {}).get("prompt_tokens") or 0)
+
+
+def _shorten(vector: list[float], dimensions: Any) -> list[float]:
+    """Ollama's ``dimensions``: keep the first N values and scale back to unit length."""
+    if not isinstance(dimensions, int) or isinstance(dimensions, bool) or dimensions <= 0:
+        return vector
+    cut = vector[:dimensions]
+    norm = sum(v * v for v in cut) ** 0.5
+    return [v / norm for v in cut] if norm else cut
+
+
+@blueprint.post("/api/embed")
+@answers_errors
+def embed() -> Response:
+    started = time.monotonic_ns()
+    body = json_body()
+    model = describe()
+    name = requested_model(body, model)
+    inputs = body.get("input") or []
+    inputs = [inputs] if isinstance(inputs, str) else inputs
+    if not isinstance(inputs, list) or not all(isinstance(i, str) for i in inputs):
+        raise tr.Invalid("'input' must be a string or a list of strings")
+    vectors, tokens = _embed(inputs, model) if inputs else ([], 0)
+    return jsonify({"model": name,
+                    "embeddings": [_shorten(v, body.get("dimensions")) for v in vectors],
+                    "total_duration": time.monotonic_ns() - started, "load_duration": 0,
+                    "prompt_eval_count": tokens})
+
+
+@blueprint.post("/api/embeddings")
+@answers_errors
+def embeddings() -> Response:
+    """The older single-prompt embedding route."""
+    body = json_body()
+    model = describe()
+    requested_model(body, model)
+    prompt = body.get("prompt") or ""
+    if not isinstance(prompt, str):
+        raise tr.Invalid("'prompt' must be a string")
+    return jsonify({"embedding": _embed([prompt], model)[0][0] if prompt else []})
+
+
+# -- model management: one model, served by llama-server ----------------------
+@blueprint.post("/api/pull")
+@answers_errors
+def pull() -> Response:
+    """Pulling the served model succeeds at once: it is already there."""
+    body = json_body()
+    model = describe()
+    try:
+        requested_model(body, model)
+    except tr.Invalid as exc:
+        if exc.status != 404:
+            raise
+        raise tr.Invalid(f"{exc.message}: " + ONE_MODEL.format(
+            name=model["name"], action="pull other"), 404) from None
+    if not _stream_flag(body):
+        return jsonify({"status": "success"})
+    return Response(ndjson({"status": "success"}), mimetype=NDJSON)
+
+
+@blueprint.post("/api/create", defaults={"action": "create", "field": None})
+@blueprint.post("/api/push", defaults={"action": "push", "field": "model"})
+@blueprint.post("/api/copy", defaults={"action": "copy", "field": "source"})
+@blueprint.delete("/api/delete", defaults={"action": "delete", "field": "model"})
+@blueprint.route("/api/blobs/<path:digest>", methods=["HEAD", "POST"],
+                 defaults={"action": "upload blobs for", "field": None})
+@answers_errors
+def manage(action: str, field: str | None, digest: str = "") -> Response:
+    """A clear 4xx: 404 for an unknown model, 400 for anything done to the served one.
+
+    There is no blob store, so HEAD /api/blobs says the blob is absent.
+    """
+    if request.method == "HEAD":
+        return Response(status=404)
+    model = describe()
+    body = request.get_json(silent=True, force=True)
+    if field and isinstance(body, dict) and (body.get(field) or body.get("name")):
+        requested_model(body, model, field)
+    raise tr.Invalid(ONE_MODEL.format(name=model["name"], action=action))

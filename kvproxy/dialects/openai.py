@@ -9,11 +9,10 @@ import json
 import time
 from typing import Iterable, Iterator
 
-from flask import Blueprint, Response, jsonify
+from flask import Blueprint, Response, jsonify, request
 
 from ..relay import ChatCall
 from .common import HANDLED, BadRequest, failure, json_body, relay, serve_chat
-from flask import request
 
 blueprint = Blueprint("openai", __name__)
 
@@ -43,11 +42,14 @@ def relay_stream(events: Iterable[tuple[bytes, dict | None]]) -> Iterator[bytes]
         yield raw
 
 
-def _serve(path: str, required: str) -> Response:
+def _serve(path: str, required: str, kinds: tuple[type, ...]) -> Response:
     try:
         body = json_body()
         if required not in body:
             raise BadRequest(f"'{required}' is required")
+        if not isinstance(body[required], kinds) or not body[required]:
+            raise BadRequest(f"'{required}' must be a non-empty "
+                             + " or ".join("array" if k is list else "string" for k in kinds))
     except HANDLED as exc:
         return render_error(*failure(exc))
     call = ChatCall(body=body, headers=request.headers, raw=body, path=path)
@@ -60,14 +62,14 @@ def _serve(path: str, required: str) -> Response:
 @blueprint.post("/chat/completions")
 def chat_completions() -> Response:
     """OpenAI chat completions, streamed or whole."""
-    return _serve("/v1/chat/completions", "messages")
+    return _serve("/v1/chat/completions", "messages", (list,))
 
 
 @blueprint.post("/v1/completions")
 @blueprint.post("/completions")
 def completions() -> Response:
     """OpenAI legacy text completions."""
-    return _serve("/v1/completions", "prompt")
+    return _serve("/v1/completions", "prompt", (str, list))
 
 
 @blueprint.get("/v1/models")

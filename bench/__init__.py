@@ -1,0 +1,1 @@
+"""kvproxy benchmark: ``python -m bench.run`` (``make bench``); ``--quick`` for a smoke run."""

@@ -1,0 +1,278 @@
+"""kvproxy benchmark: ``python -m bench.run`` (``make bench``), ``--quick`` for a smoke run.
+
+Runs the same multi-conversation workload, with a restart halfway, against
+  (a) llama-server with --cache-ram, clients straight to it,
+  (b) kvproxy (gunicorn) in front of llama-server with --cache-ram,
+  (c) llama-server without --cache-ram (optional),
+each with its own llama-server and a fresh slot folder, one after the other.
+Then, on the (b) stack: proxy overhead without a swap, streaming relay, worker
+memory; on a bare llama-server: slot save/restore speed by file size.
+Writes bench/results/<name>.json and .png and the README section between
+``<!-- bench:start -->`` and ``<!-- bench:end -->``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import requests
+
+from . import micro, report
+from .procs import ROOT, Mode
+from .workload import account_tokens, build_conversations, run_workload
+
+RESULTS = ROOT / "bench" / "results"
+
+FULL = dict(prompt_tokens="2000,4000,6000", turns=4, restart_after=2, max_tokens=32,
+            io_sizes="512,1024,2048,4096,6144", io_repeats=3, overhead_requests=100,
+            stream_requests=20, stream_max_tokens=64, memory_replies=50, memory_max_tokens=256,
+            modes="a,b,c")
+QUICK = dict(prompt_tokens="400,600,900", turns=2, restart_after=1, max_tokens=8,
+             io_sizes="256,512,1024", io_repeats=2, overhead_requests=20, stream_requests=4,
+             stream_max_tokens=32, memory_replies=5, memory_max_tokens=64, modes="a,b")
+
+MODES = {
+    "a": ("(a) llama-server --cache-ram", 16384, False),
+    "b": ("(b) kvproxy", 16384, True),
+    "c": ("(c) llama-server, no cache-ram", None, False),
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small sizes: a smoke run of a minute or two")
+    p.add_argument("--modes", help="comma list of a, b, c (default: a,b,c; quick: a,b)")
+    p.add_argument("--prompt-tokens", help="distinct system prompt sizes in tokens; the first is "
+                   "shared by conversations A and C (default 2000,4000,6000)")
+    p.add_argument("--turns", type=int, help="turns per conversation (default 4)")
+    p.add_argument("--restart-after", type=int, help="restart before this round (default 2; 0: never)")
+    p.add_argument("--max-tokens", type=int, help="reply length of workload turns (default 32)")
+    p.add_argument("--io-sizes", help="slot sizes in tokens for save/restore timing")
+    p.add_argument("--io-repeats", type=int)
+    p.add_argument("--overhead-requests", type=int, help="tiny requests each way (default 100)")
+    p.add_argument("--stream-requests", type=int, help="streams each way for the relay check")
+    p.add_argument("--stream-max-tokens", type=int)
+    p.add_argument("--memory-replies", type=int, help="long replies streamed for the RSS check")
+    p.add_argument("--memory-max-tokens", type=int)
+    p.add_argument("--skip", default="", help="comma list of sections to skip: io, overhead, "
+                   "streaming, memory")
+    p.add_argument("--read-timeout", type=float, default=600,
+                   help="seconds a request may stay silent (prefill included)")
+    p.add_argument("--name", help="results file name (default: latest, quick: quick)")
+    p.add_argument("--readme", dest="readme", action="store_true", default=None,
+                   help="rewrite the README section (default for full runs)")
+    p.add_argument("--no-readme", dest="readme", action="store_false")
+    p.add_argument("--strict", action="store_true", help="exit with status 3 when a target fails")
+    p.add_argument("--keep", action="store_true", help="keep the temporary slot folders and logs")
+    args = p.parse_args(argv)
+    defaults = QUICK if args.quick else FULL
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.readme is None:
+        args.readme = not args.quick
+    args.name = args.name or ("quick" if args.quick else "latest")
+    args.prompt_sizes = [int(x) for x in str(args.prompt_tokens).split(",") if x.strip()]
+    args.io_size_list = [int(x) for x in str(args.io_sizes).split(",") if x.strip()]
+    args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
+    args.skip_set = {s.strip() for s in args.skip.split(",") if s.strip()}
+    unknown = set(args.mode_list) - set(MODES)
+    if unknown:
+        p.error(f"unknown modes: {', '.join(sorted(unknown))}")
+    if not args.prompt_sizes:
+        p.error("--prompt-tokens needs at least one size")
+    budget = max(args.prompt_sizes) + args.turns * (args.max_tokens + 60)
+    if budget > 8192 - 64:
+        p.error(f"largest prompt plus {args.turns} turns (~{budget} tokens) does not fit in 8192")
+    if max(args.io_size_list, default=0) > 8000:
+        p.error("--io-sizes must stay below the 8192-token context")
+    return args
+
+
+def command_line(argv: list[str] | None) -> str:
+    args = sys.argv[1:] if argv is None else argv
+    return " ".join(["python -m bench.run", *args]).strip()
+
+
+def machine() -> dict:
+    info = {"cores": os.cpu_count(), "cpu": None, "ram_gib": None, "kernel": os.uname().release,
+            "python": sys.version.split()[0]}
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8", errors="replace"):
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        for line in open("/proc/meminfo", encoding="utf-8"):
+            if line.startswith("MemTotal:"):
+                info["ram_gib"] = round(int(line.split()[1]) / 1024 / 1024, 1)
+                break
+    except OSError:
+        pass
+    return info
+
+
+def loadavg() -> list[float]:
+    try:
+        return [float(x) for x in open("/proc/loadavg").read().split()[:3]]
+    except OSError:
+        return []
+
+
+def scrape_metrics(url: str) -> dict:
+    """A few kvproxy counters from /metrics, summed by family and label."""
+    from prometheus_client.parser import text_string_to_metric_families
+    wanted = ("kvproxy_swaps_total", "kvproxy_swap_bytes_total", "kvproxy_prompt_tokens_total",
+              "kvproxy_restore_misses_total", "kvproxy_swap_seconds_sum", "kvproxy_swap_seconds_count",
+              "kvproxy_lock_wait_seconds_sum", "kvproxy_slot_dir_bytes", "kvproxy_slot_dir_files")
+    out: dict = {}
+    text = requests.get(url + "/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in wanted:
+                label = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                out[s.name + (f"{{{label}}}" if label else "")] = s.value
+    return out
+
+
+def sidecars(slot_dir: Path) -> list[dict]:
+    rows = []
+    for path in sorted(slot_dir.glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and "stem" in data:
+            rows.append({k: data.get(k) for k in ("stem", "kind", "n_tokens", "n_bytes", "save_ms",
+                                                  "restore_ms", "restores", "hits", "last_cache")})
+    return rows
+
+
+def _interrupt(*_args) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
+    log = lambda msg: print(msg, flush=True)  # noqa: E731
+    signal.signal(signal.SIGTERM, _interrupt)
+
+    work = Path(tempfile.mkdtemp(prefix="kvproxy-bench-"))
+    run: dict = {
+        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": command_line(argv), "quick": args.quick, "machine": machine(),
+        "loadavg_start": loadavg(),
+        "settings": {k: getattr(args, k) for k in FULL},
+        "modes": {}, "workload": {}, "sections": {},
+    }
+    log(f"kvproxy benchmark ({'quick' if args.quick else 'full'}); work folder {work}")
+    log(f"machine: {run['machine']['cores']} cores, {run['machine']['cpu']}, "
+        f"{run['machine']['ram_gib']} GiB RAM; load average {run['loadavg_start']}")
+    conversations = None
+    ok = False
+    active: Mode | None = None
+    try:
+        for key in args.mode_list:
+            label, cache_ram, proxied = MODES[key]
+            mode = Mode(key, label, work / key, cache_ram, proxied)
+            active = mode
+            log(f"\n== {label}")
+            start_s = mode.start()
+            if "build_info" not in run:
+                with requests.Session() as http:
+                    props = http.get(mode.llama_url + "/props", timeout=10).json()
+                run["build_info"] = props.get("build_info")
+                run["model"] = os.path.basename(props.get("model_path") or "")
+                run["n_ctx"] = (props.get("default_generation_settings") or {}).get("n_ctx")
+            if conversations is None:
+                with requests.Session() as http:
+                    conversations = build_conversations(http, mode.llama_url, args.prompt_sizes,
+                                                        args.turns)
+                run["conversations"] = [{"name": c.name, "system_tokens": c.system_tokens,
+                                         "prompt": c.prompt_group} for c in conversations]
+                log("conversations: " + ", ".join(f"{c.name} ({c.prompt_group}, {c.system_tokens} tokens)"
+                                                  for c in conversations))
+            result, (sent, replies) = run_workload(mode, conversations, args.turns,
+                                                   args.restart_after, args.max_tokens,
+                                                   args.read_timeout, log)
+            account_tokens(result, mode.llama_url, sent, replies)
+            if mode.proxy:
+                result.metrics_after = scrape_metrics(mode.proxy.url)
+                result.sidecars = sidecars(mode.slot_dir)
+            run["modes"][key] = {"label": label, "start_seconds": round(start_s, 2),
+                                 "cache_ram_mib": cache_ram, "proxied": proxied}
+            run["workload"][key] = dataclasses.asdict(result)
+            log(f"  [{key}] computed {result.computed_tokens} prompt tokens (minimum "
+                f"{result.minimum_tokens}), {result.request_seconds:.1f} s in requests, "
+                f"{result.restart_seconds:.1f} s restarting")
+            if key == "b":
+                if "overhead" not in args.skip_set:
+                    log("== proxy overhead without a swap")
+                    run["sections"]["overhead"] = micro.overhead(
+                        mode.proxy.url, mode.llama_url, args.overhead_requests, log)
+                if "streaming" not in args.skip_set:
+                    log("== streaming relay")
+                    run["sections"]["streaming"] = micro.streaming(
+                        mode.proxy.url, mode.llama_url, args.stream_requests,
+                        args.stream_max_tokens, log)
+                if "memory" not in args.skip_set:
+                    log("== proxy worker memory")
+                    run["sections"]["memory"] = micro.memory(
+                        mode.proxy, args.memory_replies, args.memory_max_tokens, log)
+            if key == "a" and "io" not in args.skip_set:
+                log("== slot save/restore by file size (on the (a) llama-server)")
+                run["sections"]["slot_io"] = micro.slot_io(
+                    mode.llama_url, mode.slot_dir, args.io_size_list, args.io_repeats, log)
+            mode.stop()
+            active = None
+        ok = True
+    except KeyboardInterrupt:
+        log("interrupted")
+    finally:
+        if active is not None:
+            active.stop()
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            log(f"kept {work}")
+    if not ok:
+        return 1
+
+    run["loadavg_end"] = loadavg()
+    run["duration_seconds"] = round(time.monotonic() - started, 1)
+    run["targets"] = report.targets(run)
+    text = report.text_report(run)
+    log("\n" + text)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = RESULTS / f"{args.name}.json", RESULTS / f"{args.name}.png"
+    report.plot(run, png_path)
+    tmp = json_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(run, indent=1, default=str))
+    os.replace(tmp, json_path)
+    log(f"wrote {json_path.relative_to(ROOT)} and {png_path.relative_to(ROOT)}")
+    section = report.readme_section(run, png_path.relative_to(ROOT).as_posix())
+    (RESULTS / f"{args.name}.md").write_text(section + "\n")
+    if args.readme:
+        if report.update_readme(ROOT / "README.md", section):
+            log("README.md: benchmark section rewritten")
+        else:
+            log("README.md has no <!-- bench:start --> / <!-- bench:end --> markers; the section "
+                f"is in {(RESULTS / (args.name + '.md')).relative_to(ROOT)}:\n\n{section}")
+    failed = [t for t in run["targets"] if t["status"] == "FAIL"]
+    log(f"done in {run['duration_seconds']:.0f} s; targets: "
+        + ", ".join(f"{t['id']} {t['status']}" for t in run["targets"]))
+    return 3 if failed and args.strict else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""The real ``anthropic`` SDK against kvproxy under gunicorn and a real llama-server."""
+from __future__ import annotations
+
+import json
+
+import anthropic
+import pytest
+
+from conftest import long_text
+
+pytestmark = pytest.mark.real
+
+QUESTION = [{"role": "user", "content": "Write one sentence about the weather."}]
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return anthropic.Anthropic(base_url=stack.url, api_key="x", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def token_client(stack):
+    """Claude Code with ANTHROPIC_AUTH_TOKEN sends ``Authorization: Bearer`` instead."""
+    return anthropic.Anthropic(base_url=stack.url, auth_token="x", max_retries=0, timeout=120)
+
+
+def prompt_tokens(usage) -> int:
+    return usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
+
+
+def test_create_count_tokens_and_models_with_api_key(client):
+    raw = client.messages.with_raw_response.create(
+        model="claude-opus-kvproxy", max_tokens=8, system="Answer briefly.", messages=QUESTION,
+        extra_body={"temperature": 0})
+    message = raw.parse()
+    assert raw.headers["x-kvproxy-session"] and raw.headers["x-kvproxy-cache"]
+    assert message.model == "claude-opus-kvproxy" and message.id.startswith("msg_")
+    assert message.content[0].type == "text" and message.content[0].text
+    assert message.stop_reason in ("end_turn", "max_tokens")
+    assert 0 < message.usage.output_tokens <= 8
+    counted = client.messages.count_tokens(model="claude-opus-kvproxy", system="Answer briefly.",
+                                           messages=QUESTION)
+    assert counted.input_tokens == prompt_tokens(message.usage)
+    models = list(client.models.list())
+    assert len(models) == 1 and models[0].type == "model" and models[0].id
+
+
+def test_stream_with_auth_token(token_client):
+    with token_client.messages.stream(model="claude-haiku-kvproxy", max_tokens=12,
+                                      messages=QUESTION, extra_body={"temperature": 0}) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text and final.content[-1].type == "text" and final.content[-1].text == text
+    assert final.stop_reason in ("end_turn", "max_tokens")
+    assert 0 < final.usage.output_tokens <= 12 and prompt_tokens(final.usage) > 10
+    assert [m.id for m in token_client.models.list()]
+    assert token_client.messages.count_tokens(model="m", messages=QUESTION).input_tokens > 5
+
+
+def test_stop_sequence_is_reported(client):
+    message = client.messages.create(model="claude", max_tokens=16, stop_sequences=["e"],
+                                     messages=QUESTION, extra_body={"temperature": 0})
+    assert message.stop_reason == "stop_sequence" and message.stop_sequence == "e"
+    assert "e" not in message.content[0].text
+
+
+def test_structured_output_follows_the_schema(client):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+              "required": ["city"], "additionalProperties": False}
+    message = client.messages.create(
+        model="claude", max_tokens=40, messages=[{"role": "user", "content": "Name a city."}],
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+        extra_body={"temperature": 0})
+    assert message.stop_reason == "end_turn"
+    assert set(json.loads(message.content[0].text)) == {"city"}
+
+
+def test_session_switch_a_b_a_reads_the_cache(client):
+    """A, then B evicts it from the slot, then A again must come back from A's saved state."""
+    def turn(session: str, seed: int, streamed: bool = False):
+        kwargs = dict(model="claude-kvproxy", max_tokens=8, system=long_text(500, seed),
+                      messages=QUESTION, extra_body={"temperature": 0},
+                      extra_headers={"x-claude-code-session-id": session})
+        if streamed:
+            with client.messages.stream(**kwargs) as stream:
+                "".join(stream.text_stream)
+                return stream.get_final_message(), stream.response.headers
+        raw = client.messages.with_raw_response.create(**kwargs)
+        return raw.parse(), raw.headers
+
+    first_a, headers_a = turn("session-A-anthropic", 41)
+    first_b, headers_b = turn("session-B-anthropic", 42)
+    again_a, headers_again = turn("session-A-anthropic", 41, streamed=True)
+    assert headers_a["x-kvproxy-session"] == "session-A-anthropic"
+    assert headers_b["x-kvproxy-session"] == "session-B-anthropic"
+    assert prompt_tokens(first_b.usage) > 500
+    assert first_b.usage.cache_read_input_tokens < 0.5 * prompt_tokens(first_b.usage)
+    total = prompt_tokens(again_a.usage)
+    assert total == prompt_tokens(first_a.usage)
+    assert again_a.usage.cache_read_input_tokens >= 0.9 * total, again_a.usage
+    assert headers_again["x-kvproxy-cache"] == "restored"

@@ -1,0 +1,26 @@
+"""kvproxy in front of a llama-server that is not there: clear 502 and 503 answers."""
+import openai
+import pytest
+import requests
+
+from kvproxy import create_app
+from kvproxy.llama_process import free_port
+
+
+@pytest.fixture
+def app(tmp_path):
+    return create_app({"slot_dir": str(tmp_path), "upstream": f"http://127.0.0.1:{free_port()}",
+                       "connect_timeout": 1})
+
+
+def test_unreachable_llama_server_is_502_with_a_hint(app):
+    reply = app.test_client().post("/v1/chat/completions",
+                                   json={"messages": [{"role": "user", "content": "hi"}]})
+    assert reply.status_code == 502
+    assert "not reachable" in reply.json["error"]["message"]
+    assert "KVPROXY_UPSTREAM" in reply.json["error"]["message"]
+
+
+def test_health_is_503_when_llama_server_is_down(app):
+    reply = app.test_client().get("/health")
+    assert reply.status_code == 503 and reply.json["status"] == "unavailable"

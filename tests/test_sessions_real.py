@@ -1,0 +1,128 @@
+"""Session switching against the real llama-server through kvproxy (OpenAI client)."""
+import json
+
+import openai
+import pytest
+import requests
+
+from tests.conftest import long_text
+
+pytestmark = pytest.mark.real
+
+SYSTEM_A = long_text(1600, seed=101)   # over 2,000 tokens each
+SYSTEM_B = long_text(1600, seed=202)
+
+
+def ask(client, system, question, session=None):
+    """One chat turn; returns (usage, reply headers)."""
+    raw = client.chat.completions.with_raw_response.create(
+        model="any", max_tokens=8, temperature=0,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+        extra_headers={"X-Session-Id": session} if session else None)
+    return raw.parse().usage, raw.headers
+
+
+def cached_share(usage):
+    return usage.prompt_tokens_details.cached_tokens / usage.prompt_tokens
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def test_prompts_are_long(stack):
+    tokens = requests.post(stack.llama.url + "/tokenize", json={"content": SYSTEM_A}, timeout=30)
+    assert len(tokens.json()["tokens"]) >= 2000
+
+
+def test_a_b_a_reuses_a_from_its_slot_file(stack, client):
+    usage_a, headers = ask(client, SYSTEM_A, "Summarise rule 1.", "conv-a")
+    assert headers["x-kvproxy-session"] == "conv-a" and headers["x-kvproxy-cache"] == "miss"
+    assert usage_a.prompt_tokens >= 2000
+    _, headers_b = ask(client, SYSTEM_B, "Summarise rule 2.", "conv-b")
+    assert headers_b["x-kvproxy-cache"] == "miss"
+    usage, headers = ask(client, SYSTEM_A, "Summarise rule 1.", "conv-a")
+    assert headers["x-kvproxy-cache"] == "restored"
+    assert cached_share(usage) >= 0.9, usage
+
+
+def test_restart_of_llama_server_restores_from_disk(stack, client):
+    stack.llama.restart()
+    usage, headers = ask(client, SYSTEM_A, "Summarise rule 1.", "conv-a")
+    assert headers["x-kvproxy-cache"] == "restored"
+    assert cached_share(usage) >= 0.9, usage
+
+
+def test_restart_of_both_processes_restores_from_disk(stack, client):
+    ask(client, SYSTEM_B, "Summarise rule 2.", "conv-b")
+    stack.stop_proxy()          # saves the active session (conv-b) on the way out
+    stack.llama.restart()
+    stack.start_proxy()
+    usage, headers = ask(client, SYSTEM_B, "Summarise rule 2.", "conv-b")
+    assert headers["x-kvproxy-cache"] == "restored"
+    assert cached_share(usage) >= 0.9, usage
+
+
+def test_session_endpoints_show_real_files(stack):
+    listing = {s["session_id"]: s for s in requests.get(stack.url + "/api/sessions", timeout=10).json()}
+    for session in ("conv-a", "conv-b"):
+        entry = listing[session]
+        path = stack.slot_dir / entry["file"]
+        assert entry["file_bytes"] == path.stat().st_size == entry["n_bytes"] > 1_000_000
+        assert entry["n_tokens"] >= 2000 and entry["hits"] >= 1
+    current = requests.get(stack.url + "/api/sessions/current", timeout=10).json()
+    assert current["session_id"] == "conv-b" and current["file_exists"]
+
+
+def test_delete_removes_files_and_unknown_is_404(stack):
+    entry = next(s for s in requests.get(stack.url + "/api/sessions", timeout=10).json()
+                 if s["session_id"] == "conv-a")
+    reply = requests.delete(stack.url + "/api/sessions/conv-a", timeout=30)
+    assert reply.status_code == 204
+    assert not (stack.slot_dir / entry["file"]).exists()
+    assert not (stack.slot_dir / entry["file"].replace(".bin", ".json")).exists()
+    missing = requests.delete(stack.url + "/api/sessions/conv-a", timeout=30)
+    assert missing.status_code == 404 and "conv-a" in missing.json()["message"]
+
+
+def test_clear_resets_to_default(stack, client):
+    reply = requests.post(stack.url + "/api/sessions/clear", timeout=30)
+    assert reply.status_code == 200 and reply.json()["session_id"] == "default"
+    assert requests.get(stack.url + "/api/sessions/current", timeout=10).json()["session_id"] == "default"
+    slot = requests.get(stack.llama.url + "/slots", timeout=10).json()[0]
+    assert not slot.get("n_prompt_tokens")
+    # conv-b was saved before the erase, so it comes back from disk.
+    usage, headers = ask(client, SYSTEM_B, "Summarise rule 2.", "conv-b")
+    assert headers["x-kvproxy-cache"] == "restored" and cached_share(usage) >= 0.9
+
+
+def test_openapi_document_lists_the_session_endpoints(stack):
+    spec = requests.get(stack.url + "/api/openapi.json", timeout=10).json()
+    assert {"/api/sessions", "/api/sessions/current", "/api/sessions/clear"} <= set(spec["paths"])
+
+
+def test_health_reports_upstream_state(stack):
+    reply = requests.get(stack.url + "/health", timeout=10)
+    assert reply.status_code == 200 and reply.json()["llama_server"]["status"] == "ok"
+
+
+def test_bad_json_is_a_400_openai_error(stack):
+    reply = requests.post(stack.url + "/v1/chat/completions", data=b"{not json",
+                          headers={"Content-Type": "application/json"}, timeout=10)
+    assert reply.status_code == 400
+    assert reply.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError):
+        openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0).chat.completions.create(
+            model="m", messages="not a list")
+
+
+def test_streamed_completion_passes_chunks_and_usage(stack, client):
+    stream = client.chat.completions.create(
+        model="any", max_tokens=8, stream=True, stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": "Count to five."}])
+    chunks = list(stream)
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 2
+    assert chunks[-1].usage.completion_tokens >= 1
+    text = client.completions.create(model="any", prompt="Once upon a time", max_tokens=4)
+    assert text.choices[0].text and text.usage.completion_tokens >= 1
