@@ -129,9 +129,11 @@ def overhead(proxy_url: str, llama_url: str, n: int, log) -> dict:
 def summarize_pair(direct: list[float], proxied: list[float]) -> dict:
     d50, p50 = statistics.median(direct) * 1000, statistics.median(proxied) * 1000
     d99, p99 = percentile(direct, 99) * 1000, percentile(proxied, 99) * 1000
+    paired = [(p - d) * 1000 for d, p in zip(direct, proxied)]  # run back to back, order shuffled
     return {"direct_median_ms": round(d50, 3), "proxy_median_ms": round(p50, 3),
             "direct_p99_ms": round(d99, 3), "proxy_p99_ms": round(p99, 3),
-            "added_median_ms": round(p50 - d50, 3), "added_p99_ms": round(p99 - d99, 3)}
+            "added_median_ms": round(p50 - d50, 3), "added_p99_ms": round(p99 - d99, 3),
+            "paired_difference_median_ms": round(statistics.median(paired), 3)}
 
 
 def streaming(proxy_url: str, llama_url: str, n: int, max_tokens: int, log) -> dict:

@@ -72,9 +72,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--readme", dest="readme", action="store_true", default=None,
                    help="rewrite the README section (default for full runs)")
     p.add_argument("--no-readme", dest="readme", action="store_false")
+    p.add_argument("--from-json", help="only re-render the report, plot and README section from "
+                   "a results JSON file (no processes are started)")
     p.add_argument("--strict", action="store_true", help="exit with status 3 when a target fails")
     p.add_argument("--keep", action="store_true", help="keep the temporary slot folders and logs")
     args = p.parse_args(argv)
+    args.name_given = args.name
     defaults = QUICK if args.quick else FULL
     for key, value in defaults.items():
         if getattr(args, key) is None:
@@ -165,6 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.monotonic()
     log = lambda msg: print(msg, flush=True)  # noqa: E731
+    if args.from_json:
+        run = json.loads(Path(args.from_json).read_text())
+        if args.name_given is None:
+            args.name = Path(args.from_json).stem
+        return publish(run, args, log)
     signal.signal(signal.SIGTERM, _interrupt)
 
     work = Path(tempfile.mkdtemp(prefix="kvproxy-bench-"))
@@ -250,6 +258,11 @@ def main(argv: list[str] | None = None) -> int:
 
     run["loadavg_end"] = loadavg()
     run["duration_seconds"] = round(time.monotonic() - started, 1)
+    return publish(run, args, log)
+
+
+def publish(run: dict, args: argparse.Namespace, log) -> int:
+    """Targets, the printed report, results/<name>.json|.png|.md and the README section."""
     run["targets"] = report.targets(run)
     text = report.text_report(run)
     log("\n" + text)
@@ -269,8 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             log("README.md has no <!-- bench:start --> / <!-- bench:end --> markers; the section "
                 f"is in {(RESULTS / (args.name + '.md')).relative_to(ROOT)}:\n\n{section}")
     failed = [t for t in run["targets"] if t["status"] == "FAIL"]
-    log(f"done in {run['duration_seconds']:.0f} s; targets: "
-        + ", ".join(f"{t['id']} {t['status']}" for t in run["targets"]))
+    log(f"targets: " + ", ".join(f"{t['id']} {t['status']}" for t in run["targets"]))
     return 3 if failed and args.strict else 0
 
 

@@ -33,8 +33,19 @@ class SessionSchema(ma.Schema):
     hits = ma.fields.Integer()
     restores = ma.fields.Integer(allow_none=True)
     system_hash = ma.fields.String(allow_none=True)
-    refused = ma.fields.String(allow_none=True)
-    made_by = ma.fields.Dict(allow_none=True)
+    refused = ma.fields.String(allow_none=True, metadata={
+        "description": "Why the file was last refused for restore (made by another model)"})
+    refused_at = ma.fields.String(allow_none=True)
+    restore_not_honoured_at = ma.fields.String(allow_none=True, metadata={
+        "description": "Last time llama-server recomputed the prompt after restoring this file"})
+    last_cache = ma.fields.String(allow_none=True, metadata={
+        "description": "hit, restored, base or miss, for the last request"})
+    last_cache_n = ma.fields.Integer(allow_none=True, metadata={
+        "description": "Prompt tokens llama-server reused on the last request"})
+    last_prompt_n = ma.fields.Integer(allow_none=True, metadata={
+        "description": "Prompt tokens llama-server computed on the last request"})
+    made_by = ma.fields.Dict(allow_none=True, metadata={
+        "description": "Model, context size and build that wrote the file"})
 
 
 class CurrentSchema(ma.Schema):

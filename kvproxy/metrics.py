@@ -48,6 +48,9 @@ EVICTED_BYTES = Counter("kvproxy_evicted_bytes_total", "Bytes of slot files dele
 
 log = logging.getLogger("kvproxy.requests")
 
+# Polled by monitors and health checks: their request lines go out at DEBUG only.
+QUIET_ROUTES = frozenset({"/health", "/metrics"})
+
 
 def observe_swap(kind: str, seconds: float, n_bytes: int) -> None:
     SWAPS.labels(kind).inc()
@@ -178,11 +181,13 @@ def init_app(app) -> None:
             "cache": response.headers.get("X-KVProxy-Cache"),
         }
 
+        level = logging.DEBUG if route in QUIET_ROUTES else logging.INFO
+
         def finish(streamed: bool) -> None:
             elapsed = time.perf_counter() - started
             REQUEST_SECONDS.labels(route).observe(elapsed)
-            if log.isEnabledFor(logging.INFO):
-                log.info("request %s", format_request_line(
+            if log.isEnabledFor(level):
+                log.log(level, "request %s", format_request_line(
                     {**fields, "streamed": "true" if streamed else "false",
                      "duration_ms": f"{elapsed * 1000:.1f}"}))
 

@@ -105,6 +105,5 @@ def test_cached_prompt_survives_a_session_switch(stack, model):
     a_messages += [{"role": "assistant", "content": first.message.content},
                    {"role": "user", "content": "And rule 2?"}]
     again = a.chat(model=model, messages=a_messages, options=SHORT)
-    print("ABA", first.prompt_eval_count, again.prompt_eval_count)
     assert first.prompt_eval_count > 400
     assert again.prompt_eval_count < 0.2 * first.prompt_eval_count

@@ -158,7 +158,8 @@ def test_full_chat_reply_parses_tool_arguments_and_thinking():
     assert message["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     assert reply["done"] is True and reply["done_reason"] == "stop"
     assert reply["prompt_eval_count"] == 10
-    assert "thinking" not in tr.full_reply("chat", result, "m", 0, 1, keep_thinking=False)["message"]
+    hidden = tr.full_reply("chat", result, "m", 0, 1, keep_thinking=False)
+    assert "thinking" not in hidden["message"]
 
 
 def test_unparsable_tool_arguments_stay_visible_as_an_object():
@@ -195,7 +196,8 @@ def test_chat_stream_gathers_tool_call_fragments_and_ends_with_done():
     assert [o["message"].get("thinking") for o in objects[:1]] == ["hmm"]
     assert objects[1]["message"]["content"] == "Hi"
     calls = objects[2]["message"]["tool_calls"]
-    assert calls[0]["function"] == {"index": 0, "name": "get_weather", "arguments": {"city": "Oslo"}}
+    assert calls[0]["function"] == {"index": 0, "name": "get_weather",
+                                    "arguments": {"city": "Oslo"}}
     final = objects[-1]
     assert final["done"] is True and final["done_reason"] == "stop"
     assert [o["done"] for o in objects] == [False, False, False, True]
@@ -342,8 +344,8 @@ def test_root_version_tags_show_ps(client):
     assert entry["details"]["family"] == "qwen2"
     assert entry["details"]["quantization_level"] == "Q4_K_M"
     datetime.fromisoformat(entry["modified_at"].replace("Z", "+00:00"))
-    for name in (NAME, f"{NAME}:latest"):
-        show = client.post("/api/show", json={"model": name}).json
+    for body in ({"model": NAME}, {"model": f"{NAME}:latest"}, {"name": NAME.lower()}):
+        show = client.post("/api/show", json=body).json
         assert show["model_info"]["general.architecture"] == "qwen2"
         assert show["model_info"]["qwen2.context_length"] == 4096
         assert show["capabilities"] == ["completion", "tools"]
@@ -450,7 +452,8 @@ def test_failure_after_the_stream_began_is_one_error_line(client, upstream):
 
 def test_embed_reshapes_and_explains_a_missing_embeddings_flag(client, upstream):
     upstream.add(responses.POST, f"{UPSTREAM}/v1/embeddings", json={
-        "data": [{"index": 1, "embedding": [0.0, 3.0, 4.0]}, {"index": 0, "embedding": [1.0, 0, 0]}],
+        "data": [{"index": 1, "embedding": [0.0, 3.0, 4.0]},
+                 {"index": 0, "embedding": [1.0, 0, 0]}],
         "usage": {"prompt_tokens": 5}})
     reply = client.post("/api/embed", json={"model": NAME, "input": ["a", "b"]}).json
     assert reply["embeddings"] == [[1.0, 0, 0], [0.0, 3.0, 4.0]]

@@ -186,10 +186,6 @@ def context_length(props: dict, meta: dict) -> int:
     return min(values) if values else 0
 
 
-def _iso(timestamp: float) -> str:
-    return tr.created_at(datetime.fromtimestamp(timestamp, timezone.utc))
-
-
 def describe() -> dict:
     """The served model in the terms every Ollama model route uses."""
     facts = relay().model_facts()
@@ -214,10 +210,12 @@ def describe() -> dict:
     # Not the file's sha256 (that means reading gigabytes): a stable id of what is served.
     digest = hashlib.sha256(f"{path}|{size}|{meta.get('n_params')}|{mtime}".encode()).hexdigest()
     return {"name": f"{facts['name']}:{tag}", "base": facts["name"], "size": size,
-            "digest": digest, "modified_at": _iso(mtime or facts["model"].get("created") or 0),
+            "digest": digest, "modified_at": tr.created_at(datetime.fromtimestamp(
+                mtime or facts["model"].get("created") or 0, timezone.utc)),
             "details": details, "model_info": {k: v for k, v in info.items() if v is not None},
             "capabilities": capabilities(props), "context_length": ctx, "path": path,
-            "template": props.get("chat_template") or "", "license": gguf.get("general.license", ""),
+            "template": props.get("chat_template") or "",
+            "license": gguf.get("general.license", ""),
             "upstream_id": facts["upstream_id"], "sleeping": bool(props.get("is_sleeping"))}
 
 
@@ -305,32 +303,24 @@ def _serve(call: ChatCall, kind: str, name: str, stream: bool, started: int,
                       mimetype=NDJSON)
 
 
-@blueprint.post("/api/chat")
+@blueprint.post("/api/chat", defaults={"kind": "chat"})
+@blueprint.post("/api/generate", defaults={"kind": "generate"})
 @answers_errors
-def chat() -> Response:
+def generation(kind: str) -> Response:
+    """/api/chat and /api/generate. An empty request only "loads" the model: slot untouched."""
     started = time.monotonic_ns()
     body = json_body()
     model = describe()
     name, stream = requested_model(body, model), _stream_flag(body)
-    if not body.get("messages"):
-        return jsonify(tr.load_reply("chat", name, body.get("keep_alive")))
-    upstream = tr.chat_body(body, vision="vision" in model["capabilities"])
-    call = ChatCall(body=upstream, headers=request.headers, raw=body, path="/v1/chat/completions")
-    return _serve(call, "chat", name, stream, started, body.get("think") is not False)
-
-
-@blueprint.post("/api/generate")
-@answers_errors
-def generate() -> Response:
-    started = time.monotonic_ns()
-    body = json_body()
-    model = describe()
-    name, stream = requested_model(body, model), _stream_flag(body)
-    if not body.get("prompt") and not body.get("images"):
-        return jsonify(tr.load_reply("generate", name, body.get("keep_alive")))
-    path, upstream = tr.generate_call(body, vision="vision" in model["capabilities"])
+    empty = not body.get("messages") if kind == "chat" else \
+        not (body.get("prompt") or body.get("images"))
+    if empty:
+        return jsonify(tr.load_reply(kind, name, body.get("keep_alive")))
+    vision = "vision" in model["capabilities"]
+    path, upstream = ("/v1/chat/completions", tr.chat_body(body, vision)) if kind == "chat" \
+        else tr.generate_call(body, vision)
     call = ChatCall(body=upstream, headers=request.headers, raw=body, path=path)
-    return _serve(call, "generate", name, stream, started, body.get("think") is not False)
+    return _serve(call, kind, name, stream, started, body.get("think") is not False)
 
 
 def _embed(inputs: list[str], model: dict) -> tuple[list[list[float]], int]:
@@ -356,35 +346,26 @@ def _shorten(vector: list[float], dimensions: Any) -> list[float]:
     return [v / norm for v in cut] if norm else cut
 
 
-@blueprint.post("/api/embed")
+@blueprint.post("/api/embed", defaults={"field": "input"})
+@blueprint.post("/api/embeddings", defaults={"field": "prompt"})
 @answers_errors
-def embed() -> Response:
+def embed(field: str) -> Response:
+    """/api/embed (one or many inputs) and the older /api/embeddings (one prompt)."""
     started = time.monotonic_ns()
     body = json_body()
     model = describe()
     name = requested_model(body, model)
-    inputs = body.get("input") or []
+    inputs = body.get(field) or []
     inputs = [inputs] if isinstance(inputs, str) else inputs
     if not isinstance(inputs, list) or not all(isinstance(i, str) for i in inputs):
-        raise tr.Invalid("'input' must be a string or a list of strings")
+        raise tr.Invalid(f"'{field}' must be a string or a list of strings")
     vectors, tokens = _embed(inputs, model) if inputs else ([], 0)
+    if field == "prompt":
+        return jsonify({"embedding": vectors[0] if vectors else []})
     return jsonify({"model": name,
                     "embeddings": [_shorten(v, body.get("dimensions")) for v in vectors],
                     "total_duration": time.monotonic_ns() - started, "load_duration": 0,
                     "prompt_eval_count": tokens})
-
-
-@blueprint.post("/api/embeddings")
-@answers_errors
-def embeddings() -> Response:
-    """The older single-prompt embedding route."""
-    body = json_body()
-    model = describe()
-    requested_model(body, model)
-    prompt = body.get("prompt") or ""
-    if not isinstance(prompt, str):
-        raise tr.Invalid("'prompt' must be a string")
-    return jsonify({"embedding": _embed([prompt], model)[0][0] if prompt else []})
 
 
 # -- model management: one model, served by llama-server ----------------------

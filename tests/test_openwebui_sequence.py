@@ -1,0 +1,111 @@
+"""OpenWebUI's own call sequence against kvproxy and a real llama-server, field by field.
+
+OpenWebUI (Ollama connection, ENABLE_FORWARD_USER_INFO_HEADERS=true) probes the
+server, then streams a chat with X-OpenWebUI-Chat-Id and asks for a title with
+a ``### Task:`` request under the same chat id. The title must not cost the
+conversation its cached prompt.
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+
+import pytest
+import requests
+
+from conftest import long_text
+from kvproxy.identity import SIDE_SESSION
+
+pytestmark = pytest.mark.real
+
+CHAT_ID = "3f1c2a9e-5b7d-4e21-9a0c-7d1e2f3a4b5c"
+USER_HEADERS = {"X-OpenWebUI-Chat-Id": CHAT_ID, "X-OpenWebUI-User-Id": "u-1",
+                "X-OpenWebUI-User-Name": "Ada", "X-OpenWebUI-User-Email": "ada@example.org",
+                "X-OpenWebUI-User-Role": "user"}
+DURATIONS = ("total_duration", "load_duration", "prompt_eval_count", "prompt_eval_duration",
+             "eval_count", "eval_duration")
+
+
+def iso(value: str) -> datetime:
+    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+@pytest.fixture(scope="module")
+def model(stack, http):
+    """The probes OpenWebUI runs when a connection is added or the model list refreshes."""
+    version = http.get(stack.url + "/api/version").json()["version"]
+    assert all(part.isdigit() for part in version.split(".")) and len(version.split(".")) == 3
+    assert tuple(int(part) for part in version.split(".")) >= (0, 6, 4)  # VS Code Copilot's floor
+
+    entries = http.get(stack.url + "/api/tags").json()["models"]
+    assert len(entries) == 1
+    entry = entries[0]
+    for field in ("name", "model", "modified_at", "size", "digest", "details"):
+        assert field in entry, field
+    assert entry["name"] == entry["model"] and entry["name"].endswith(":latest")
+    assert isinstance(entry["size"], int) and entry["size"] > 0
+    iso(entry["modified_at"])
+
+    running = http.get(stack.url + "/api/ps").json()["models"]
+    assert running[0]["name"] == entry["name"] and iso(running[0]["expires_at"])
+    return entry["name"]
+
+
+@pytest.fixture(scope="module")
+def http():
+    """Module-wide, unlike conftest's: the model fixture probes once per module."""
+    with requests.Session() as session:
+        yield session
+
+
+def test_show_has_what_openwebui_and_copilot_read(stack, http, model):
+    show = http.post(stack.url + "/api/show", json={"model": model}).json()
+    info = show["model_info"]
+    assert isinstance(info, dict)
+    arch = info["general.architecture"]
+    assert isinstance(info[f"{arch}.context_length"], int) and info[f"{arch}.context_length"] > 0
+    assert "completion" in show["capabilities"]
+    assert set(show["details"]) >= {"format", "family", "parameter_size", "quantization_level"}
+
+
+def stream_chat(stack, http, model, messages):
+    response = http.post(stack.url + "/api/chat", headers=USER_HEADERS, stream=True, json={
+        "model": model, "messages": messages, "stream": True, "keep_alive": "5m",
+        "options": {"num_predict": 12, "temperature": 0.2}})
+    assert response.status_code == 200
+    assert response.headers["Content-Type"].startswith("application/x-ndjson")
+    raw_lines = list(response.iter_lines())
+    assert raw_lines and all(line.strip() for line in raw_lines)  # no blank keep-alive lines
+    chunks = [json.loads(line) for line in raw_lines]
+    return response, chunks
+
+
+def test_chat_stream_then_title_task_keeps_the_conversation_cache(stack, http, model):
+    messages = [{"role": "system", "content": long_text(300, 11)},
+                {"role": "user", "content": "What does rule 3 say?"}]
+    response, chunks = stream_chat(stack, http, model, messages)
+    assert response.headers["X-KVProxy-Session"] == CHAT_ID
+    assert all(chunk["message"]["role"] == "assistant" for chunk in chunks)
+    assert [chunk["done"] for chunk in chunks].count(True) == 1
+    final = chunks[-1]
+    assert final["done"] is True and final["done_reason"] in ("stop", "length")
+    for field in DURATIONS:
+        assert isinstance(final[field], int) and final[field] >= 0, field
+    assert final["eval_count"] > 0 and final["eval_duration"] > 0
+    first_prompt = final["prompt_eval_count"]
+    answer = "".join(chunk["message"]["content"] for chunk in chunks)
+
+    title = http.post(stack.url + "/api/chat", headers=USER_HEADERS, json={
+        "model": model, "stream": False, "options": {"num_predict": 8},
+        "messages": [{"role": "user", "content": "### Task:\nGenerate a concise title "
+                      "for this chat.\n### Chat History:\nUSER: What does rule 3 say?"}]})
+    assert title.status_code == 200
+    assert title.headers["X-KVProxy-Session"] == SIDE_SESSION  # never saved over the chat
+    body = title.json()
+    assert body["done"] is True and isinstance(body["message"]["content"], str)
+
+    follow_up = messages + [{"role": "assistant", "content": answer},
+                            {"role": "user", "content": "And rule 4?"}]
+    response, chunks = stream_chat(stack, http, model, follow_up)
+    assert response.headers["X-KVProxy-Session"] == CHAT_ID
+    assert chunks[-1]["prompt_eval_count"] < 0.2 * first_prompt
