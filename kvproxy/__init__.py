@@ -40,7 +40,7 @@ def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
                          settings.slot_action_timeout)
     switch = SlotSwitch(client, SessionStore(settings.slot_dir), settings.slot_id,
                         settings.lock_timeout, settings.base_snapshots,
-                        settings.restore_miss_limit)
+                        settings.restore_miss_limit, int(settings.max_disk_gb * 1024**3))
     app.extensions["kvproxy.switch"] = switch
     app.extensions["kvproxy.relay"] = Relay(settings, client, switch)
 

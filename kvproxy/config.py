@@ -37,6 +37,13 @@ def _non_negative_int(value: str) -> int:
     return number
 
 
+def _non_negative_float(value: str) -> float:
+    number = float(value)
+    if number < 0:
+        raise ValueError("expected a number of 0 or more")
+    return number
+
+
 def _bool(value: str) -> bool:
     lowered = value.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -118,6 +125,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("restore_miss_limit", "2", _non_negative_int,
             "Restores in a row that llama-server does not honour before restoring is switched off for "
             "that model (0: never switch off)."),
+    Setting("max_disk_gb", "100", _non_negative_float,
+            "Upper bound on the slot folder's size; past it the least recently used slot files "
+            "are deleted (0: no bound)."),
     Setting("model_name", "", str,
             "Name under which the model is listed; empty: the GGUF file name of llama-server's model."),
     Setting("model_tag", "latest", str,

@@ -28,16 +28,27 @@ _MAX_ID_CHARS = 1024
 
 @dataclass(frozen=True)
 class Session:
-    """A resolved session: its id, where the id came from, and how to treat it."""
+    """A resolved session: its id, where the id came from, and how to treat it.
+
+    ``key`` names what the slot holds. A client's own id is combined with its
+    system prompt, because one id can carry several prompts: Claude Code sends
+    its session id on subagent and title calls too, and a slot can only hold
+    one prompt's cache. Hash-derived ids already contain the prompt.
+    """
 
     id: str
     source: str
     persistent: bool = True
     system_hash: str | None = None
+    key: str = ""
+
+    def __post_init__(self):
+        if not self.key:
+            object.__setattr__(self, "key", self.id)
 
     @property
     def stem(self) -> str:
-        return file_stem(self.id)
+        return file_stem(self.key)
 
 
 def text_of(content: Any) -> str:
@@ -139,7 +150,8 @@ def resolve(headers: Mapping[str, str], body: Mapping[str, Any],
         return Session(SIDE_SESSION, "side-request", persistent=False)
     named = explicit_id(headers, body, header_names)
     if named:
-        return Session(named[0], named[1], system_hash=system_hash)
+        key = f"{named[0]}#{system_hash}" if system_hash else named[0]
+        return Session(named[0], named[1], system_hash=system_hash, key=key)
     first_user = first_user_message(messages)
     if anonymous == "conversation" and (system or first_user):
         return Session("conv-" + short_hash(system, first_user), "conversation-hash",

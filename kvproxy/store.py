@@ -20,7 +20,7 @@ LOCK_FILE = ".kvproxy.lock"
 
 
 def now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -104,6 +104,28 @@ class SessionStore:
             except FileNotFoundError:
                 pass
         return removed
+
+    def evict(self, max_bytes: int, keep: set[str]) -> list[tuple[str, int]]:
+        """Delete least recently used slot files until the folder fits ``max_bytes``.
+
+        Files in ``keep`` (the one the slot holds, the one just written) stay.
+        Returns the ``(stem, bytes)`` of what was deleted.
+        """
+        entries = []
+        for sidecar in self.sidecars():
+            used = sidecar.get("last_used_at") or sidecar.get("saved_at") or ""
+            entries.append((used, sidecar["stem"], sidecar["file_bytes"]))
+        total = sum(size for _, _, size in entries)
+        evicted = []
+        for _, stem, size in sorted(entries):
+            if total <= max_bytes:
+                break
+            if stem in keep or not size:
+                continue
+            self.delete(stem)
+            total -= size
+            evicted.append((stem, size))
+        return evicted
 
     # -- proxy state -------------------------------------------------------
     def read_state(self) -> dict:

@@ -80,13 +80,14 @@ class SlotSwitch:
 
     def __init__(self, client: LlamaClient, store: SessionStore, slot_id: int = 0,
                  lock_timeout: float = 300, base_snapshots: bool = True,
-                 restore_miss_limit: int = 2):
+                 restore_miss_limit: int = 2, max_disk_bytes: int = 0):
         self.client = client
         self.store = store
         self.slot_id = slot_id
         self.lock_timeout = lock_timeout
         self.base_snapshots = base_snapshots
         self.restore_miss_limit = restore_miss_limit
+        self.max_disk_bytes = max_disk_bytes
         self._thread_lock = threading.Lock()
         self._file_lock = filelock.FileLock(str(store.lock_path), thread_local=False)
 
@@ -142,7 +143,7 @@ class SlotSwitch:
     def _swap_to(self, session: Session) -> Lease:
         state = self.store.read_state()
         lost = self._slot_lost(state)
-        if state.get("active") == session.id and not lost:
+        if state.get("active_key") == session.key and not lost:
             metrics.SWAPS.labels("none").inc()
             return Lease(session, HIT)
         started = time.monotonic()
@@ -151,7 +152,8 @@ class SlotSwitch:
             self._save(state["active"], state["active_stem"], made_by, kind="session",
                        system_hash=state.get("active_system_hash"))
         cache, restored = self._load(session, made_by)
-        self.store.write_state({**state, "active": session.id, "active_stem": session.stem,
+        self.store.write_state({**state, "active": session.id, "active_key": session.key,
+                                "active_stem": session.stem,
                                 "active_persistent": session.persistent,
                                 "active_system_hash": session.system_hash,
                                 "slot_tokens": restored, "updated_at": now_iso()})
@@ -184,11 +186,22 @@ class SlotSwitch:
             return None
         save_ms = (answer.get("timings") or {}).get("save_ms", (time.monotonic() - started) * 1000)
         metrics.observe_swap("save", time.monotonic() - started, answer.get("n_written", 0))
-        return self.store.update_sidecar(
+        sidecar = self.store.update_sidecar(
             stem, {"session_id": session_id, "kind": kind},
             session_id=session_id, kind=kind, system_hash=system_hash, made_by=made_by,
             n_tokens=answer.get("n_saved"), n_bytes=answer.get("n_written"),
             save_ms=round(save_ms, 2), saved_at=now_iso(), refused=None)
+        self._evict(keep={stem})
+        return sidecar
+
+    def _evict(self, keep: set[str]) -> None:
+        """Keep the slot folder within its bound, oldest files first."""
+        if not self.max_disk_bytes:
+            return
+        keep = keep | {self.store.read_state().get("active_stem")}
+        for stem, size in self.store.evict(self.max_disk_bytes, keep):
+            log.info("evicted %s.bin (%d bytes): the slot folder is over its bound", stem, size)
+            metrics.observe_eviction(size)
 
     def _restorable(self, stem: str, made_by: dict) -> dict | None:
         """The sidecar of a file that may be restored into this llama-server, else None."""
@@ -234,7 +247,7 @@ class SlotSwitch:
                                                        (time.monotonic() - started) * 1000)
         metrics.observe_swap("restore", time.monotonic() - started, answer.get("n_read", 0))
         sidecar = self.store.read_sidecar(stem) or {}
-        self.store.update_sidecar(stem, {}, restore_ms=round(restore_ms, 2),
+        self.store.update_sidecar(stem, {}, restore_ms=round(restore_ms, 2), last_used_at=now_iso(),
                                   restores=int(sidecar.get("restores") or 0) + 1)
         return int(answer.get("n_restored") or 0)
 
@@ -276,13 +289,14 @@ class SlotSwitch:
     def forget(self, session_id: str) -> bool:
         """Delete a session's (or base snapshot's) files; erase the slot if it holds it."""
         stems = {s["stem"] for s in self.store.sidecars() if s.get("session_id") == session_id}
-        stems.add(Session(session_id, "admin").stem)
+        stems.add(Session(session_id, "admin").stem)  # a file left without its sidecar
         self._lock()
         try:
             state = self.store.read_state()
             if state.get("active") == session_id:
                 self._erase()
-                self.store.write_state({**state, "active": DEFAULT_SESSION, "active_stem": None,
+                self.store.write_state({**state, "active": DEFAULT_SESSION, "active_key": None,
+                                        "active_stem": None,
                                         "active_persistent": False, "active_system_hash": None,
                                         "slot_tokens": 0, "updated_at": now_iso()})
             removed = [self.store.delete(stem) for stem in stems]

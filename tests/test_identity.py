@@ -114,3 +114,14 @@ def test_distinct_ids_get_distinct_files():
 
 def test_base_stems_cannot_be_named_by_a_client():
     assert identity.file_stem("base.0123456789abcdef") != identity.base_stem("0123456789abcdef")
+
+
+def test_one_client_id_with_two_system_prompts_gets_two_slot_keys():
+    main = resolve(headers={"X-Claude-Code-Session-Id": "cc"},
+                   messages=[{"role": "system", "content": "main agent"}])
+    helper = resolve(headers={"X-Claude-Code-Session-Id": "cc"},
+                     messages=[{"role": "system", "content": "title helper"}])
+    plain = resolve(headers={"X-Claude-Code-Session-Id": "cc"}, messages=[])
+    assert main.id == helper.id == plain.id == "cc"
+    assert len({main.key, helper.key, plain.key}) == 3
+    assert len({main.stem, helper.stem, plain.stem}) == 3

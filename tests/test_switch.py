@@ -158,3 +158,16 @@ def test_busy_slot_is_503_with_retry_after_in_openai_shape(tmp_path, fake):
         switch.release(lease)
     assert reply.status_code == 503 and int(reply.headers["Retry-After"]) >= 1
     assert reply.json["error"]["message"].startswith("the model is busy")
+
+
+def test_slot_folder_is_kept_within_its_bound(tmp_path, fake):
+    switch = make_switch(tmp_path, base_snapshots=False, max_disk_bytes=40)
+    sessions = [Session(name, "test") for name in ("s1", "s2", "s3", "s4")]
+    for session in sessions:  # each saved file is 16 bytes
+        turn(switch, session, fake)
+    turn(switch, sessions[0], fake)  # s1 is used again: s2 is now the oldest
+    store = SessionStore(tmp_path)
+    on_disk = {s.id for s in sessions if store.has_bin(s.stem)}
+    assert sum(store.bin_bytes(s.stem) for s in sessions) <= 40
+    assert "s2" not in on_disk and {"s4"} <= on_disk
+    assert store.read_sidecar(sessions[1].stem) is None
