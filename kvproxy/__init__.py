@@ -45,9 +45,11 @@ def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
     app.extensions["kvproxy.relay"] = Relay(settings, client, switch)
 
     from . import admin, metrics, ops
-    from .dialects import anthropic, ollama, openai
+    from .dialects import anthropic, errors, ollama, openai
     for blueprint in (ops.blueprint, openai.blueprint, ollama.blueprint, anthropic.blueprint):
         app.register_blueprint(blueprint)
-    Api(app).register_blueprint(admin.blueprint)
+    api = Api(app)
+    api.register_blueprint(admin.blueprint)
+    errors.init_app(app, api)
     metrics.init_app(app)
     return app

@@ -1,6 +1,7 @@
 """What every dialect does the same way: read the body, run the call, map failures."""
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Iterable, Iterator
 
 from flask import Response, current_app, request
@@ -8,6 +9,8 @@ from flask import Response, current_app, request
 from ..llama import UpstreamError, UpstreamUnavailable
 from ..relay import ChatCall, Relay
 from ..switch import SlotBusy
+
+log = logging.getLogger("kvproxy.dialects")
 
 Failure = tuple[int, str, dict]
 
@@ -79,6 +82,9 @@ def serve_chat(call: ChatCall, *, stream: bool,
         except (UpstreamError, UpstreamUnavailable) as exc:
             status, message, _ = failure(exc)
             yield render_stream_error(status, message)
+        except Exception:  # a rendering bug must end the stream visibly, not silently
+            log.exception("stream of session %s failed", exchange.lease.session.id)
+            yield render_stream_error(500, "internal error in kvproxy while streaming; see its log")
         finally:
             exchange.close()
 

@@ -21,7 +21,8 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
 
 
 def error_object(status: int, message: str) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"),
+    default = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, default),
                       "param": None, "code": status}}
 
 

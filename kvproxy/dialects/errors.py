@@ -1,0 +1,40 @@
+"""Unknown routes, wrong methods and crashes answer in the API family the path belongs to.
+
+flask-smorest installs an app-wide handler with its own error shape; the
+admin API keeps it, every client API gets its own.
+"""
+from __future__ import annotations
+
+import logging
+
+from flask import Flask, request
+from werkzeug.exceptions import HTTPException
+
+from . import anthropic, ollama, openai
+
+log = logging.getLogger("kvproxy.errors")
+
+ANTHROPIC_PATHS = ("/v1/messages", "/messages")
+OPENAI_PATHS = ("/v1/", "/chat/", "/completions", "/models", "/embeddings")
+ADMIN_PATHS = ("/api/sessions", "/api/openapi")
+
+
+def renderer_for(path: str):
+    """The error renderer of the API family a path belongs to (Ollama owns the rest)."""
+    if path.startswith(ANTHROPIC_PATHS):
+        return anthropic.render_error
+    if path.startswith(OPENAI_PATHS):
+        return openai.render_error
+    return ollama.render_error
+
+
+def init_app(app: Flask, api) -> None:
+    @app.errorhandler(HTTPException)
+    def http_error(exc: HTTPException):
+        if request.path.startswith(ADMIN_PATHS):
+            return api.handle_http_exception(exc)
+        status = exc.code or 500
+        message = exc.description if status != 500 else "internal error in kvproxy; see its log"
+        return renderer_for(request.path)(status, f"{request.method} {request.path}: {message}",
+                                          {"Allow": exc.valid_methods and ", ".join(exc.valid_methods)}
+                                          if status == 405 else {})
