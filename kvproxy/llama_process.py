@@ -88,6 +88,8 @@ class LlamaServer:
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
+        if log is not subprocess.DEVNULL:
+            log.close()  # the child keeps its own descriptor
         try:
             wait_until_healthy(self.url + "/health", timeout, self.process)
         except BaseException:

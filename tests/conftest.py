@@ -33,7 +33,11 @@ class Stack:
 
     def start(self) -> "Stack":
         self.llama.start()
-        self.start_proxy()
+        try:
+            self.start_proxy()
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def start_proxy(self) -> None:
@@ -44,6 +48,7 @@ class Stack:
         self.proxy = subprocess.Popen(
             [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "wsgi:app"],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
         wait_until_healthy(self.url + "/health", 60, self.proxy)
 
     def stop_proxy(self) -> None:
