@@ -1,7 +1,5 @@
 """kvproxy in front of a llama-server that is not there: clear 502 and 503 answers."""
-import openai
 import pytest
-import requests
 
 from kvproxy import create_app
 from kvproxy.llama_process import free_port

@@ -16,7 +16,8 @@ import pytest
 import responses
 
 from kvproxy import create_app
-from kvproxy.dialects import ollama
+from kvproxy import gguf
+from kvproxy.dialects import ollama_model
 from kvproxy.dialects import ollama_translate as tr
 from kvproxy.llama import UpstreamError
 from kvproxy.switch import Lease, SlotBusy
@@ -253,42 +254,42 @@ def test_gguf_header_gives_architecture_and_skips_arrays():
     data = gguf_bytes([("general.architecture", 8, "qwen3"), ("qwen3.context_length", 4, 40960),
                        ("tokenizer.ggml.tokens", 9, ["a", "b"]), ("general.file_type", 4, 15),
                        ("qwen3.rope.freq_base", 6, 1e6)])
-    meta = ollama.read_gguf_metadata(io.BytesIO(data))
+    meta = gguf.read_gguf_metadata(io.BytesIO(data))
     assert meta["general.architecture"] == "qwen3" and meta["qwen3.context_length"] == 40960
     assert meta["general.file_type"] == 15 and "tokenizer.ggml.tokens" not in meta
-    cut = ollama.read_gguf_metadata(io.BytesIO(gguf_bytes([("general.architecture", 8, "gemma3"),
+    cut = gguf.read_gguf_metadata(io.BytesIO(gguf_bytes([("general.architecture", 8, "gemma3"),
                                                            ("x", 4, 1)], truncate=2)))
     assert cut == {"general.architecture": "gemma3"}
-    assert ollama.read_gguf_metadata(io.BytesIO(b"not a gguf file")) == {}
+    assert gguf.read_gguf_metadata(io.BytesIO(b"not a gguf file")) == {}
 
 
 @pytest.mark.parametrize("ftype,expected", [("Q4_1", "Q4_1"), ("Q4_K - Medium", "Q4_K_M"),
                                             ("(guessed) F16", "F16"), ("all F32", "F32"),
                                             ("IQ2_XXS - 2.0625 bpw", "IQ2_XXS")])
 def test_quantization_in_ollama_spelling(ftype, expected):
-    assert ollama.quantization(ftype, "model.gguf") == expected
+    assert ollama_model.quantization(ftype, "model.gguf") == expected
 
 
 def test_quantization_and_architecture_from_the_name_when_llama_server_is_silent():
-    assert ollama.quantization(None, "/m/Qwen2.5-7B-Instruct-q5_k_m.gguf") == "Q5_K_M"
-    assert ollama.guess_architecture("Qwen2.5-7B-Instruct") == "qwen2"
-    assert ollama.guess_architecture("mystery") == "unknown"
-    assert ollama.parameter_size(134_515_008) == "134.52M"
-    assert ollama.parameter_size(8_030_261_248) == "8.0B"
+    assert ollama_model.quantization(None, "/m/Qwen2.5-7B-Instruct-q5_k_m.gguf") == "Q5_K_M"
+    assert ollama_model.guess_architecture("Qwen2.5-7B-Instruct") == "qwen2"
+    assert ollama_model.guess_architecture("mystery") == "unknown"
+    assert ollama_model.parameter_size(134_515_008) == "134.52M"
+    assert ollama_model.parameter_size(8_030_261_248) == "8.0B"
 
 
 def test_capabilities_follow_template_caps_and_modalities():
     plain = {"chat_template": "{{ messages }}", "chat_template_caps": {"supports_tools": False}}
-    assert ollama.capabilities(plain) == ["completion"]
+    assert ollama_model.capabilities(plain) == ["completion"]
     rich = {"chat_template": "{% if enable_thinking %}<think>{% endif %}",
             "chat_template_caps": {"supports_tools": True}, "modalities": {"vision": True}}
-    assert ollama.capabilities(rich) == ["completion", "tools", "vision", "thinking"]
+    assert ollama_model.capabilities(rich) == ["completion", "tools", "vision", "thinking"]
 
 
 def test_context_length_is_what_llama_server_serves():
     props = {"default_generation_settings": {"n_ctx": 4096}}
-    assert ollama.context_length(props, {"n_ctx_train": 32768}) == 4096
-    assert ollama.context_length({}, {"n_ctx": 65536, "n_ctx_train": 32768}) == 32768
+    assert ollama_model.context_length(props, {"n_ctx_train": 32768}) == 4096
+    assert ollama_model.context_length({}, {"n_ctx": 65536, "n_ctx_train": 32768}) == 32768
 
 
 # -- routes on a stubbed llama-server ---------------------------------------------

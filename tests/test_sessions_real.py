@@ -1,6 +1,4 @@
 """Session switching against the real llama-server through kvproxy (OpenAI client)."""
-import json
-
 import openai
 import pytest
 import requests

@@ -8,15 +8,10 @@ relay like every dialect; model routes describe the model from llama-server's
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
-import os
-import re
-import struct
 import time
-from datetime import datetime, timezone
-from typing import Any, BinaryIO, Callable
+from typing import Any, Callable
 
 from flask import Blueprint, Response, current_app, jsonify, request
 
@@ -24,6 +19,7 @@ from ..llama import UpstreamError
 from ..relay import ChatCall
 from . import ollama_translate as tr
 from .common import HANDLED, failure, json_body, relay, serve_chat
+from .ollama_model import describe
 
 blueprint = Blueprint("ollama", __name__)
 log = logging.getLogger("kvproxy.ollama")
@@ -35,11 +31,6 @@ NO_EMBEDDINGS = ("embeddings are not available: llama-server answers that it doe
                  "them; start llama-server with --embeddings to use /api/embed")
 ONE_MODEL = ("kvproxy serves the one model llama-server loaded ('{name}') and cannot {action} "
              "models; load another GGUF in llama-server instead")
-# Used only when the GGUF header cannot be read (llama-server on another host).
-KNOWN_ARCHITECTURES = ("qwen3moe", "qwen3", "qwen2", "gemma3", "gemma2", "gemma", "llama",
-                       "mistral", "phi3", "phi", "deepseek2", "granite", "olmo", "falcon",
-                       "starcoder2", "command-r", "gptoss", "gpt-oss")
-THINKING_MARKERS = re.compile(r"enable_thinking|reasoning_content|<think>|\[THINK\]|\bthinking\b")
 
 
 # -- wire helpers -----------------------------------------------------------
@@ -72,151 +63,6 @@ def answers_errors(view: Callable) -> Callable:
             log.exception("ollama route %s failed", request.path)
             return render_error(500, f"kvproxy internal error: {exc.__class__.__name__}")
     return wrapped
-
-
-# -- the served model -------------------------------------------------------
-_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-                 10: "<Q", 11: "<q", 12: "<d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-def _gguf_value(f: BinaryIO, kind: int) -> Any:
-    """One GGUF value; arrays (tokenizer tables) are skipped and come back as None."""
-    def unpack(fmt: str) -> Any:
-        return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
-    if kind == _GGUF_STRING:
-        size = unpack("<Q")
-        if size > 1 << 24:
-            raise ValueError("implausible GGUF string length")
-        return f.read(size).decode("utf-8", "replace")
-    if kind == _GGUF_ARRAY:
-        item_kind, count = unpack("<I"), unpack("<Q")
-        if item_kind in _GGUF_SCALARS:
-            f.seek(count * struct.calcsize(_GGUF_SCALARS[item_kind]), os.SEEK_CUR)
-        else:
-            for _ in range(count):
-                _gguf_value(f, item_kind)
-        return None
-    if kind not in _GGUF_SCALARS:
-        raise ValueError(f"unknown GGUF value type {kind}")
-    return unpack(_GGUF_SCALARS[kind])
-
-
-def read_gguf_metadata(f: BinaryIO, max_keys: int = 4096) -> dict:
-    """Scalar metadata of a GGUF file (general.*, <arch>.*), read from its header only.
-
-    llama-server does not expose the architecture, so this is the honest source of
-    ``general.architecture``. A damaged header yields what was read before the damage.
-    """
-    out: dict = {}
-    try:
-        if f.read(4) != b"GGUF" or struct.unpack("<I", f.read(4))[0] < 2:
-            return out
-        _tensors, n_keys = struct.unpack("<QQ", f.read(16))
-        for _ in range(min(n_keys, max_keys)):
-            key = _gguf_value(f, _GGUF_STRING)
-            value = _gguf_value(f, struct.unpack("<I", f.read(4))[0])
-            if value is not None and not key.startswith("tokenizer."):
-                out[key] = value
-    except (struct.error, ValueError, OSError):
-        pass
-    return out
-
-
-@functools.lru_cache(maxsize=4)
-def _gguf_file(path: str, size: int, mtime_ns: int) -> dict:
-    with open(path, "rb") as f:
-        return read_gguf_metadata(f)
-
-
-def _file_facts(path: str) -> tuple[dict, int | None, float | None]:
-    """GGUF metadata, size and mtime of the model file when kvproxy can read it."""
-    try:
-        stat = os.stat(path)
-        return _gguf_file(path, stat.st_size, stat.st_mtime_ns), stat.st_size, stat.st_mtime
-    except OSError:
-        return {}, None, None
-
-
-def guess_architecture(name: str) -> str:
-    """Architecture from the model name, for when the GGUF header is out of reach."""
-    lowered = name.lower()
-    return next((arch for arch in KNOWN_ARCHITECTURES if arch in lowered), "unknown")
-
-
-def quantization(ftype: Any, name: str) -> str:
-    """llama.cpp's ftype name ("Q4_K - Medium", "(guessed) F16") in Ollama's spelling (Q4_K_M)."""
-    text = str(ftype or "").replace("(guessed) ", "").replace("all ", "").strip()
-    sizes = {"small": "S", "medium": "M", "large": "L"}
-    match = re.match(r"^(\S+) - (\w+)", text)
-    if match:
-        suffix = sizes.get(match.group(2).lower())
-        text = f"{match.group(1)}_{suffix}" if suffix else match.group(1)
-    if text:
-        return text
-    found = re.search(r"(I?Q\d\w*|BF16|F16|F32)", name, re.IGNORECASE)
-    return found.group(1).upper() if found else ""
-
-
-def parameter_size(n_params: Any) -> str:
-    if not isinstance(n_params, (int, float)) or n_params <= 0:
-        return ""
-    return f"{n_params / 1e9:.1f}B" if n_params >= 1e9 else f"{n_params / 1e6:.2f}M"
-
-
-def capabilities(props: dict) -> list[str]:
-    """What the model can really do, from llama-server's template caps and modalities."""
-    caps = ["completion"]
-    template_caps = props.get("chat_template_caps") or {}
-    template = (props.get("chat_template_tool_use") or "") + (props.get("chat_template") or "")
-    if template_caps.get("supports_tools") or template_caps.get("supports_tool_calls"):
-        caps.append("tools")
-    if (props.get("modalities") or {}).get("vision"):
-        caps.append("vision")
-    if template_caps.get("supports_reasoning_effort") or THINKING_MARKERS.search(template):
-        caps.append("thinking")
-    return caps
-
-
-def context_length(props: dict, meta: dict) -> int:
-    """The context llama-server really serves (capped by training): clients budget with it."""
-    served = (props.get("default_generation_settings") or {}).get("n_ctx") or meta.get("n_ctx")
-    values = [int(v) for v in (served, meta.get("n_ctx_train"))
-              if isinstance(v, (int, float)) and v > 0]
-    return min(values) if values else 0
-
-
-def describe() -> dict:
-    """The served model in the terms every Ollama model route uses."""
-    facts = relay().model_facts()
-    props, meta = facts["props"], facts["model"].get("meta") or {}
-    path = props.get("model_path") or ""
-    gguf, file_size, mtime = _file_facts(path)
-    arch = gguf.get("general.architecture") or guess_architecture(facts["name"] + " " + path)
-    ctx = context_length(props, meta)
-    size = file_size or int(meta.get("size") or 0)
-    details = {"parent_model": "", "format": "gguf", "family": arch, "families": [arch],
-               "parameter_size": parameter_size(meta.get("n_params")),
-               "quantization_level": quantization(props.get("model_ftype") or meta.get("ftype"),
-                                                  path or facts["name"])}
-    info = {key: value for key, value in gguf.items()
-            if key.startswith("general.") or key.startswith(arch + ".")}
-    info.update({"general.architecture": arch, f"{arch}.context_length": ctx})
-    if meta.get("n_params"):
-        info["general.parameter_count"] = meta["n_params"]
-    info.setdefault(f"{arch}.embedding_length", meta.get("n_embd"))
-    info.setdefault(f"{arch}.vocab_size", meta.get("n_vocab"))
-    tag = current_app.config["KVPROXY"].model_tag
-    # Not the file's sha256 (that means reading gigabytes): a stable id of what is served.
-    digest = hashlib.sha256(f"{path}|{size}|{meta.get('n_params')}|{mtime}".encode()).hexdigest()
-    return {"name": f"{facts['name']}:{tag}", "base": facts["name"], "size": size,
-            "digest": digest, "modified_at": tr.created_at(datetime.fromtimestamp(
-                mtime or facts["model"].get("created") or 0, timezone.utc)),
-            "details": details, "model_info": {k: v for k, v in info.items() if v is not None},
-            "capabilities": capabilities(props), "context_length": ctx, "path": path,
-            "template": props.get("chat_template") or "",
-            "license": gguf.get("general.license", ""),
-            "upstream_id": facts["upstream_id"], "sleeping": bool(props.get("is_sleeping"))}
 
 
 def requested_model(body: dict, model: dict, field: str = "model") -> str:
