@@ -24,13 +24,16 @@ def now_iso() -> str:
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON so a reader sees the old file or the new one, never half of one."""
+    """Write JSON so a reader sees the old file or the new one, never half of one.
+
+    No fsync: it cost milliseconds on every request, and these files are
+    bookkeeping that readers already tolerate losing (a missing sidecar only
+    means the slot file is not restored).
+    """
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             json.dump(data, handle, indent=2, sort_keys=True)
-            handle.flush()
-            os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

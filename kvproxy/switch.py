@@ -313,11 +313,13 @@ class SlotSwitch:
         metrics.TOKENS.labels("reused").inc(cache_n)
         metrics.TOKENS.labels("computed").inc(prompt_n)
         state = self.store.read_state()
+        before = dict(state)
         if timings:
             state["slot_tokens"] = cache_n + prompt_n + predicted_n
         if lease.cache in (RESTORED, BASE) and timings:
             self._verify_restore(lease, cache_n, state)
-        self.store.write_state(state)
+        if state != before:
+            self.store.write_state(state)
         if not session.persistent:
             return
         sidecar = self.store.read_sidecar(session.stem) or {}
