@@ -136,7 +136,8 @@ def scrape_metrics(url: str) -> dict:
     from prometheus_client.parser import text_string_to_metric_families
     wanted = ("kvproxy_swaps_total", "kvproxy_swap_bytes_total", "kvproxy_prompt_tokens_total",
               "kvproxy_restore_misses_total", "kvproxy_swap_seconds_sum", "kvproxy_swap_seconds_count",
-              "kvproxy_lock_wait_seconds_sum", "kvproxy_slot_dir_bytes", "kvproxy_slot_dir_files")
+              "kvproxy_lock_wait_seconds_sum", "kvproxy_slot_dir_bytes", "kvproxy_slot_dir_files",
+              "kvproxy_evictions_total")
     out: dict = {}
     text = requests.get(url + "/metrics", timeout=10).text
     for family in text_string_to_metric_families(text):
