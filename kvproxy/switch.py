@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from urllib.parse import quote
 from typing import Any
 
 import filelock
@@ -52,7 +53,15 @@ class Lease:
     _release: Any = field(default=None, repr=False)
 
     def headers(self) -> dict[str, str]:
-        return {"X-KVProxy-Session": self.session.id, "X-KVProxy-Cache": self.cache}
+        return {"X-KVProxy-Session": header_safe(self.session.id), "X-KVProxy-Cache": self.cache}
+
+
+def header_safe(text: str) -> str:
+    """An id as an HTTP header value: printable ASCII as is, anything else percent-encoded,
+    so a hostile id from a request body can neither break nor inject response headers."""
+    if text.isascii() and text.isprintable() and "%" not in text:
+        return text
+    return quote(text, safe="")
 
 
 def fingerprint(props: dict, models: dict) -> dict:

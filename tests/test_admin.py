@@ -59,3 +59,15 @@ def test_listing_delete_and_clear(app_and_fake, tmp_path):
     assert client.post("/api/sessions/clear", headers=AUTH).get_json()["session_id"] == "default"
     assert fake.actions[-2:] == [("save", f"{Session('b', 't').stem}.bin"), ("erase", None)]
     assert client.get("/api/sessions/current", headers=AUTH).get_json()["session_id"] == "default"
+
+
+@pytest.mark.parametrize("hostile", ["a\r\nX-Evil: 1", "日本語", "../../x", "100%"])
+def test_hostile_body_ids_cannot_break_reply_headers(app_and_fake, hostile):
+    app, _ = app_and_fake
+    reply = app.test_client().post("/v1/chat/completions", json={
+        "session_id": hostile, "messages": [{"role": "user", "content": "hi"}]})
+    assert reply.status_code == 200 and "X-Evil" not in reply.headers
+    from urllib.parse import unquote
+    shown = reply.headers["X-KVProxy-Session"]
+    assert shown == hostile or unquote(shown) == hostile
+    assert "\n" not in shown and shown.isascii()
