@@ -50,6 +50,8 @@ class Lease:
     cache: str
     restored_tokens: int = 0
     swap_ms: float = 0.0
+    restored_stem: str | None = None
+    made_by: dict | None = None  # what llama-server runs, when the swap asked
     _release: Any = field(default=None, repr=False)
 
     def headers(self) -> dict[str, str]:
@@ -160,7 +162,7 @@ class SlotSwitch:
         if state.get("active_persistent") and state.get("active") and not lost:
             self._save(state["active"], state["active_stem"], made_by, kind="session",
                        system_hash=state.get("active_system_hash"))
-        cache, restored = self._load(session, made_by)
+        cache, restored, restored_stem = self._load(session, made_by)
         self.store.write_state({**state, "active": session.id, "active_key": session.key,
                                 "active_stem": session.stem,
                                 "active_persistent": session.persistent,
@@ -169,7 +171,7 @@ class SlotSwitch:
         swap_ms = (time.monotonic() - started) * 1000
         log.info("swap to session=%s source=%s cache=%s restored_tokens=%d swap_ms=%.1f",
                  session.id, session.source, cache, restored, swap_ms)
-        return Lease(session, cache, restored, swap_ms)
+        return Lease(session, cache, restored, swap_ms, restored_stem, made_by)
 
     def _slot_lost(self, state: dict) -> bool:
         """True when llama-server no longer holds what the state file says (it restarted)."""
@@ -230,7 +232,7 @@ class SlotSwitch:
             return None
         return sidecar
 
-    def _load(self, session: Session, made_by: dict) -> tuple[str, int]:
+    def _load(self, session: Session, made_by: dict) -> tuple[str, int, str | None]:
         """Fill the slot for ``session``: its own file, else a base snapshot, else empty."""
         if session.persistent:
             candidates = [(session.stem, RESTORED)]
@@ -240,9 +242,9 @@ class SlotSwitch:
                 if self._restorable(stem, made_by):
                     restored = self._restore(stem)
                     if restored is not None:
-                        return cache, restored
+                        return cache, restored, stem
         self._erase()
-        return MISS, 0
+        return MISS, 0, None
 
     def _restore(self, stem: str) -> int | None:
         started = time.monotonic()
@@ -337,24 +339,25 @@ class SlotSwitch:
                                   hits=int(sidecar.get("hits") or 0) + 1,
                                   last_cache=lease.cache, last_cache_n=cache_n,
                                   last_prompt_n=prompt_n)
-        if (lease.cache == MISS and self.base_snapshots and session.system_hash
-                and timings and not self.store.has_bin(base_stem(session.system_hash))):
-            made_by = self.current_made_by()
-            self._save(f"base:{session.system_hash}", base_stem(session.system_hash), made_by,
-                       kind="base", system_hash=session.system_hash)
+        if lease.cache == MISS and self.base_snapshots and session.system_hash and timings:
+            self._save_base(session.system_hash, lease.made_by or self.current_made_by())
+
+    def _save_base(self, system_hash: str, made_by: dict) -> None:
+        """Snapshot a system prompt's first answer, unless this model already has one."""
+        stem = base_stem(system_hash)
+        sidecar = self.store.read_sidecar(stem)
+        if self.store.has_bin(stem) and sidecar and sidecar.get("made_by") == made_by:
+            return
+        if self._save(f"base:{system_hash}", stem, made_by, kind="base", system_hash=system_hash):
             metrics.SWAPS.labels("base").inc()
 
     def _verify_restore(self, lease: Lease, cache_n: int, state: dict) -> None:
         """Count restores that llama-server reported but did not use."""
         if lease.restored_tokens < MIN_TOKENS_TO_VERIFY:
             return
-        key = None
         honoured = cache_n >= lease.restored_tokens * HONOURED_SHARE
         misses = state.setdefault("restore_misses", {})
-        try:
-            key = fingerprint_key(self.current_made_by())
-        except (UpstreamError, UpstreamUnavailable):
-            return
+        key = fingerprint_key(lease.made_by or self.current_made_by())
         if honoured:
             misses.pop(key, None)
             return
@@ -362,7 +365,7 @@ class SlotSwitch:
         metrics.RESTORE_MISSES.labels("not_honoured").inc()
         log.warning("restore of session %s not honoured: %d tokens restored, %d reused (%d in a row)",
                     lease.session.id, lease.restored_tokens, cache_n, misses[key])
-        self.store.update_sidecar(lease.session.stem, {}, restore_not_honoured_at=now_iso())
+        self.store.update_sidecar(lease.restored_stem, {}, restore_not_honoured_at=now_iso())
         if self.restore_miss_limit and misses[key] >= self.restore_miss_limit:
             state.setdefault("restore_disabled", {})[key] = now_iso()
             log.error("restoring switched off for this model after %d unhonoured restores; "

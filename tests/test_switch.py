@@ -171,3 +171,14 @@ def test_slot_folder_is_kept_within_its_bound(tmp_path, fake):
     assert sum(store.bin_bytes(s.stem) for s in sessions) <= 40
     assert "s2" not in on_disk and {"s4"} <= on_disk
     assert store.read_sidecar(sessions[1].stem) is None
+
+
+def test_base_from_another_model_is_replaced(tmp_path, fake):
+    switch = make_switch(tmp_path)
+    turn(switch, Session("one", "test", system_hash="cafe"), fake)
+    fake.props = {**fake.props, "model_path": "/models/other.gguf"}
+    lease = turn(switch, Session("two", "test", system_hash="cafe"), fake)
+    assert lease.cache == MISS
+    sidecar = SessionStore(tmp_path).read_sidecar(base_stem("cafe"))
+    assert sidecar["made_by"]["model_path"] == "/models/other.gguf"
+    assert turn(switch, Session("three", "test", system_hash="cafe"), fake).cache == BASE
