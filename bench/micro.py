@@ -95,31 +95,44 @@ def slot_io(llama_url: str, slot_dir: Path, sizes: list[int], repeats: int, log)
     return rows
 
 
-def overhead(proxy_url: str, llama_url: str, n: int, log) -> dict:
-    """Added latency of a request that needs no swap: tiny non-streamed requests, alternated."""
+def overhead(proxy_url: str, llama_url: str, n: int, log, bare_url: str | None = None) -> dict:
+    """Added latency of a request that needs no swap: tiny non-streamed requests, alternated.
+
+    With ``bare_url`` (bench.passthrough under gunicorn) a third leg measures what a
+    proxy that does nothing but relay costs, as the floor for kvproxy's figure.
+    """
     body = {"messages": [{"role": "user", "content": "Reply with the word yes."}],
             "max_tokens": 1, "temperature": 0}
-    direct, proxied, not_hit = [], [], 0
+    times: dict[str, list[float]] = {"direct": [], "proxy": [], "bare": []}
+    not_hit = 0
     rng = random.Random(7)
-    with requests.Session() as to_proxy, requests.Session() as to_llama:
+    with requests.Session() as to_proxy, requests.Session() as to_llama, \
+            requests.Session() as to_bare:
+        legs = [("direct", to_llama, llama_url), ("proxy", to_proxy, proxy_url)]
+        if bare_url:
+            legs.append(("bare", to_bare, bare_url))
         for _ in range(5):   # the first one swaps the slot to this session
-            timed_json(to_proxy, proxy_url, body)
-            timed_json(to_llama, llama_url, body)
+            for _kind, http, url in legs:
+                timed_json(http, url, body)
         for _ in range(n):
-            order = [("direct", to_llama, llama_url), ("proxy", to_proxy, proxy_url)]
+            order = list(legs)
             rng.shuffle(order)
             for kind, http, url in order:
                 seconds, response = timed_json(http, url, body)
                 response.raise_for_status()
+                times[kind].append(seconds)
                 if kind == "proxy":
-                    proxied.append(seconds)
                     not_hit += response.headers.get("X-KVProxy-Cache") != "hit"
-                else:
-                    direct.append(seconds)
+    direct, proxied = times["direct"], times["proxy"]
     out = summarize_pair(direct, proxied)
     out.update(n=n, requests_not_hit=not_hit,
                direct_ms=[round(s * 1000, 3) for s in direct],
                proxy_ms=[round(s * 1000, 3) for s in proxied])
+    if times["bare"]:
+        out["bare"] = summarize_pair(direct, times["bare"])
+        out["bare_ms"] = [round(s * 1000, 3) for s in times["bare"]]
+        log(f"  bare Flask relay (reference): median {out['bare']['proxy_median_ms']:.2f} ms, "
+            f"added median {out['bare']['added_median_ms']:.2f} ms")
     log(f"  overhead: direct median {out['direct_median_ms']:.2f} ms, proxy median "
         f"{out['proxy_median_ms']:.2f} ms, added median {out['added_median_ms']:.2f} ms, "
         f"added p99 {out['added_p99_ms']:.2f} ms")
@@ -136,8 +149,12 @@ def summarize_pair(direct: list[float], proxied: list[float]) -> dict:
             "paired_difference_median_ms": round(statistics.median(paired), 3)}
 
 
-def streaming(proxy_url: str, llama_url: str, n: int, max_tokens: int, log) -> dict:
-    """Time to first chunk through the proxy vs direct, and whether chunks are relayed one by one."""
+def streaming(proxy_url: str, llama_url: str, n: int, max_tokens: int, log,
+              budget_s: float = 600) -> dict:
+    """Time to first chunk through the proxy vs direct, and whether chunks are relayed one by one.
+
+    Stops after ``budget_s`` seconds (a busy machine), with the pairs done so far.
+    """
     body = {"messages": [{"role": "user", "content": "Count slowly from one to one hundred."}],
             "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     first = {"direct": [], "proxy": []}
@@ -145,10 +162,16 @@ def streaming(proxy_url: str, llama_url: str, n: int, max_tokens: int, log) -> d
     reads = {"direct": 0, "proxy": 0}
     events = {"direct": 0, "proxy": 0}
     rng = random.Random(11)
+    deadline = time.monotonic() + budget_s
+    done = 0
     with requests.Session() as to_proxy, requests.Session() as to_llama:
         stream_chat(to_proxy, proxy_url, body, read_timeout=120)
         stream_chat(to_llama, llama_url, body, read_timeout=120)
         for _ in range(n):
+            if done and time.monotonic() > deadline:
+                log(f"  streaming: time budget of {budget_s:.0f} s used up after {done} pairs")
+                break
+            done += 1
             order = [("direct", to_llama, llama_url), ("proxy", to_proxy, proxy_url)]
             rng.shuffle(order)
             for kind, http, url in order:
@@ -172,7 +195,7 @@ def streaming(proxy_url: str, llama_url: str, n: int, max_tokens: int, log) -> d
     out["relayed_as_they_come"] = bool(
         d and p and 0.5 * d <= p <= 2 * d
         and out["proxy_gaps_under_1ms_share"] <= out["direct_gaps_under_1ms_share"] + 0.1)
-    out.update(n=n, max_tokens=max_tokens)
+    out.update(n=done, n_planned=n, max_tokens=max_tokens)
     log(f"  streaming: added time to first chunk median {out['first_chunk_added_median_ms']:.2f} ms; "
         f"inter-chunk gap median direct {d:.2f} ms, proxy {p:.2f} ms; chunks arriving <1 ms after "
         f"the previous: direct {out['direct_gaps_under_1ms_share']:.0%}, proxy "
@@ -180,8 +203,11 @@ def streaming(proxy_url: str, llama_url: str, n: int, max_tokens: int, log) -> d
     return out
 
 
-def memory(proxy, n: int, max_tokens: int, log) -> dict:
-    """RSS of the gunicorn worker before and after streaming ``n`` long replies through it."""
+def memory(proxy, n: int, max_tokens: int, log, budget_s: float = 900) -> dict:
+    """RSS of the gunicorn worker before and after streaming ``n`` long replies through it.
+
+    Stops after ``budget_s`` seconds (a busy machine), with the replies streamed so far.
+    """
     pid = proxy.worker_pid()
     if pid is None:
         raise RuntimeError("could not find the gunicorn worker process")
@@ -195,7 +221,11 @@ def memory(proxy, n: int, max_tokens: int, log) -> dict:
         before = rss_kib(pid)
         samples.append((0, before))
         streamed = 0
+        deadline = time.monotonic() + budget_s
         for i in range(1, n + 1):
+            if i > 1 and time.monotonic() > deadline:
+                log(f"  memory: time budget of {budget_s:.0f} s used up after {i - 1} replies")
+                break
             result = stream_chat(http, proxy.url, body, read_timeout=300)
             if result.status != 200:
                 raise RuntimeError(f"stream failed: {result.status} {result.error}")
@@ -203,7 +233,8 @@ def memory(proxy, n: int, max_tokens: int, log) -> dict:
             samples.append((i, rss_kib(pid)))
     after = samples[-1][1]
     peak = max(s[1] for s in samples)
-    out = {"worker_pid": pid, "replies": n, "max_tokens": max_tokens,
+    out = {"worker_pid": pid, "replies": samples[-1][0], "replies_planned": n,
+           "max_tokens": max_tokens,
            "bytes_streamed": streamed, "rss_before_kib": before, "rss_after_kib": after,
            "rss_peak_kib": peak, "growth_kib": after - before, "samples": samples}
     log(f"  memory: worker RSS {before / 1024:.1f} MiB before, {after / 1024:.1f} MiB after "

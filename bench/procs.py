@@ -21,7 +21,8 @@ class Proxy:
     """kvproxy under gunicorn, in front of ``upstream``, over ``slot_dir``."""
 
     def __init__(self, upstream: str, slot_dir: str, log_path: str, port: int | None = None,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, wsgi_app: str = "wsgi:app"):
+        self.wsgi_app = wsgi_app
         self.upstream = upstream
         self.slot_dir = slot_dir
         self.log_path = log_path
@@ -40,7 +41,7 @@ class Proxy:
         log = open(self.log_path, "ab")
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "wsgi:app"],
+                [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", self.wsgi_app],
                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         finally:
             log.close()

@@ -69,9 +69,11 @@ def targets(run: dict) -> list[dict]:
         add("T3", f"kvproxy computes <= {TOKENS_TARGET}x the minimum", "not measured", None)
     ov = run.get("sections", {}).get("overhead")
     if ov:
+        bare = (f"; a bare Flask relay under the same gunicorn adds "
+                f"{ov['bare']['added_median_ms']:.2f} ms") if ov.get("bare") else ""
         add("T4", f"median proxy overhead without a swap < {OVERHEAD_TARGET_MS:.0f} ms",
             f"{ov['added_median_ms']:.2f} ms (p99 {ov['added_p99_ms']:+.2f} ms; median of paired "
-            f"differences {_s(ov.get('paired_difference_median_ms'))} ms)",
+            f"differences {_s(ov.get('paired_difference_median_ms'))} ms{bare})",
             ov["added_median_ms"] < OVERHEAD_TARGET_MS)
     else:
         add("T4", f"median proxy overhead < {OVERHEAD_TARGET_MS:.0f} ms", "not measured", None)
@@ -148,8 +150,7 @@ def totals_table(run: dict) -> str:
         lambda m: ", ".join(f"{c} {_reuse(t):.0%}" for c, t in sorted(returning_turns(run, m).items())))
     if "a" in modes:
         a = w("a")["request_seconds"]
-        row("time in requests vs (a)", lambda m: f"{a / w(m)['request_seconds']:.2f}x faster"
-            if m != "a" else "1.00x")
+        row("time in requests: (a) / this mode", lambda m: f"{a / w(m)['request_seconds']:.2f}x")
     return _table(["", *[labels[m] for m in modes]], rows)
 
 
@@ -170,22 +171,29 @@ def overhead_table(run: dict) -> str:
     rows = []
     ov = sections.get("overhead")
     if ov:
-        rows.append([f"tiny request, max_tokens 1, no swap (n={ov['n']} each)",
+        rows.append([f"kvproxy: tiny request, max_tokens 1, no swap (n={ov['n']} each)",
                      f"{ov['direct_median_ms']:.2f} / {ov['direct_p99_ms']:.2f}",
                      f"{ov['proxy_median_ms']:.2f} / {ov['proxy_p99_ms']:.2f}",
                      f"{ov['added_median_ms']:+.2f} / {ov['added_p99_ms']:+.2f}"])
+        if ov.get("bare"):
+            bare = ov["bare"]
+            rows.append(["reference: bare Flask relay (bench/passthrough.py) under the same gunicorn, "
+                         "same requests",
+                         f"{bare['direct_median_ms']:.2f} / {bare['direct_p99_ms']:.2f}",
+                         f"{bare['proxy_median_ms']:.2f} / {bare['proxy_p99_ms']:.2f}",
+                         f"{bare['added_median_ms']:+.2f} / {bare['added_p99_ms']:+.2f}"])
     st = sections.get("streaming")
     if st:
-        rows.append([f"streaming: time to first chunk (n={st['n']} each)",
+        rows.append([f"kvproxy streaming: time to first chunk (n={st['n']} each)",
                      f"{st['first_chunk_direct_median_ms']:.2f} / {st['first_chunk_direct_p99_ms']:.2f}",
                      f"{st['first_chunk_proxy_median_ms']:.2f} / {st['first_chunk_proxy_p99_ms']:.2f}",
                      f"{st['first_chunk_added_median_ms']:+.2f} / {st['first_chunk_added_p99_ms']:+.2f}"])
-        rows.append(["streaming: gap between chunks, median",
+        rows.append(["kvproxy streaming: gap between chunks, median",
                      f"{st['direct_gap_median_ms']:.2f}", f"{st['proxy_gap_median_ms']:.2f}",
                      f"{st['proxy_gap_median_ms'] - st['direct_gap_median_ms']:+.2f}"])
     if not rows:
         return ""
-    return _table(["ms: median / p99", "llama-server direct", "through kvproxy", "added"], rows)
+    return _table(["ms: median / p99", "llama-server direct", "through the proxy", "added"], rows)
 
 
 def targets_table(run: dict) -> str:
@@ -223,6 +231,21 @@ def memory_line(run: dict) -> str:
             f"peak {mem['rss_peak_kib'] / 1024:.1f} MiB.")
 
 
+NOTES = [
+    "'minimum' counts, for each turn, the prompt tokens (chat template plus tokenizer, as "
+    "llama-server does) that are not a prefix of an earlier prompt followed by its reply, and at "
+    "least one; the same figure for every mode when the replies match.",
+    "T2 sums the time to first token of each conversation's first turn after the restart; T2' "
+    "takes each conversation alone. C shares its system prompt with A, and in (a) llama-server's "
+    "--cache-ram resumes C from A's state after the restart, so (a) is already quick for C.",
+    "The overhead reference line is a Flask app that only relays the request "
+    "(bench/passthrough.py) under the same gunicorn settings: the floor for a Python proxy here. "
+    "Client, proxy and llama-server share the same 2 cores.",
+    "Timings are wall-clock from the client, and other jobs on the machine add noise: the load "
+    "average is in the machine line.",
+]
+
+
 def text_report(run: dict) -> str:
     parts = [f"Machine: {machine_line(run)}", f"Workload: {workload_line(run)}",
              "", "Per turn (↻ = the conversation's first turn after the restart; 'min new' = "
@@ -236,7 +259,8 @@ def text_report(run: dict) -> str:
         parts += ["", "Proxy overhead:", "", ov]
     if memory_line(run):
         parts += ["", "Memory: " + memory_line(run)]
-    parts += ["", "Targets:", "", targets_table(run)]
+    parts += ["", "Targets:", "", targets_table(run), "", "Notes:"]
+    parts += [f"- {note}" for note in NOTES]
     return "\n".join(parts)
 
 
@@ -261,6 +285,8 @@ def readme_section(run: dict, png: str) -> str:
         "### Targets",
         "",
         targets_table(run),
+        "",
+        *[f"- {note}" for note in NOTES],
         "",
         "### Slot save and restore",
         "",
@@ -364,7 +390,10 @@ def plot(run: dict, path: Path) -> None:
     ov = run.get("sections", {}).get("overhead")
     if ov:
         for key, label, color in (("direct_ms", "llama-server direct", "tab:orange"),
+                                  ("bare_ms", "bare Flask relay (reference)", "tab:green"),
                                   ("proxy_ms", "through kvproxy", "tab:blue")):
+            if not ov.get(key):
+                continue
             values = sorted(ov[key])
             ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], color=color,
                     label=f"{label} (median {statistics.median(values):.1f} ms)")

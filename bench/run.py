@@ -27,7 +27,7 @@ from pathlib import Path
 import requests
 
 from . import micro, report
-from .procs import ROOT, Mode
+from .procs import ROOT, Mode, Proxy
 from .workload import account_tokens, build_conversations, run_workload
 
 RESULTS = ROOT / "bench" / "results"
@@ -64,6 +64,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stream-max-tokens", type=int)
     p.add_argument("--memory-replies", type=int, help="long replies streamed for the RSS check")
     p.add_argument("--memory-max-tokens", type=int)
+    p.add_argument("--section-budget", type=float, default=600,
+                   help="seconds the streaming and memory sections may take each; they stop early "
+                   "(and say so) on a machine too busy to finish them (default 600)")
     p.add_argument("--skip", default="", help="comma list of sections to skip: io, overhead, "
                    "streaming, memory")
     p.add_argument("--read-timeout", type=float, default=600,
@@ -227,17 +230,24 @@ def main(argv: list[str] | None = None) -> int:
             if key == "b":
                 if "overhead" not in args.skip_set:
                     log("== proxy overhead without a swap")
-                    run["sections"]["overhead"] = micro.overhead(
-                        mode.proxy.url, mode.llama_url, args.overhead_requests, log)
+                    bare = Proxy(mode.llama_url, str(mode.slot_dir), str(mode.workdir / "bare.log"),
+                                 wsgi_app="bench.passthrough:app")
+                    try:
+                        bare.start(timeout=60)
+                        run["sections"]["overhead"] = micro.overhead(
+                            mode.proxy.url, mode.llama_url, args.overhead_requests, log, bare.url)
+                    finally:
+                        bare.stop()
                 if "streaming" not in args.skip_set:
                     log("== streaming relay")
                     run["sections"]["streaming"] = micro.streaming(
                         mode.proxy.url, mode.llama_url, args.stream_requests,
-                        args.stream_max_tokens, log)
+                        args.stream_max_tokens, log, args.section_budget)
                 if "memory" not in args.skip_set:
                     log("== proxy worker memory")
                     run["sections"]["memory"] = micro.memory(
-                        mode.proxy, args.memory_replies, args.memory_max_tokens, log)
+                        mode.proxy, args.memory_replies, args.memory_max_tokens, log,
+                        args.section_budget)
             if key == "a" and "io" not in args.skip_set:
                 log("== slot save/restore by file size (on the (a) llama-server)")
                 run["sections"]["slot_io"] = micro.slot_io(
@@ -247,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         ok = True
     except KeyboardInterrupt:
         log("interrupted")
+        run["interrupted"] = True
     finally:
         if active is not None:
             active.stop()
@@ -255,6 +266,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             log(f"kept {work}")
     if not ok:
+        if run["workload"]:
+            log("publishing what was measured before the interruption (README left alone)")
+            args.name, args.readme = args.name + "-interrupted", False
+            run["loadavg_end"] = loadavg()
+            run["duration_seconds"] = round(time.monotonic() - started, 1)
+            publish(run, args, log)
         return 1
 
     run["loadavg_end"] = loadavg()
