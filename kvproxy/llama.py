@@ -46,6 +46,9 @@ class LlamaClient:
         self.read_timeout = read_timeout
         self.slot_action_timeout = slot_action_timeout
         self.http = requests.Session()
+        # llama-server is a configured local hop: looking up proxy variables on every
+        # call cost about half a millisecond, and an internet proxy must not carry it.
+        self.http.trust_env = False
 
     def _request(self, method: str, path: str, *, read_timeout: float | None = None,
                  stream: bool = False, **kwargs: Any) -> requests.Response:
