@@ -1,7 +1,6 @@
 """Separate figures: slot save/restore speed, proxy overhead, streaming relay, proxy memory."""
 from __future__ import annotations
 
-import os
 import random
 import statistics
 import time

@@ -6,61 +6,22 @@ repository's ``gunicorn.conf.py``, as in production.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from kvproxy.llama_process import LlamaServer, free_port, wait_until_healthy
+from kvproxy.processes import LlamaServer, ProxyServer
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-class Proxy:
-    """kvproxy under gunicorn, in front of ``upstream``, over ``slot_dir``."""
+class Proxy(ProxyServer):
+    """kvproxy under gunicorn, plus what the memory figures need: its worker's pid."""
 
     def __init__(self, upstream: str, slot_dir: str, log_path: str, port: int | None = None,
                  env: dict[str, str] | None = None, wsgi_app: str = "wsgi:app"):
-        self.wsgi_app = wsgi_app
-        self.upstream = upstream
-        self.slot_dir = slot_dir
-        self.log_path = log_path
-        self.port = port or free_port()
-        self.env = dict(env or {})
-        self.process: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 60) -> "Proxy":
-        env = {**os.environ, "KVPROXY_UPSTREAM": self.upstream, "KVPROXY_SLOT_DIR": self.slot_dir,
-               "KVPROXY_PORT": str(self.port), "KVPROXY_LOCK_TIMEOUT": "300",
-               "KVPROXY_LOG_LEVEL": "INFO", **self.env}
-        log = open(self.log_path, "ab")
-        try:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", self.wsgi_app],
-                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        finally:
-            log.close()
-        try:
-            wait_until_healthy(self.url + "/health", timeout, self.process)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def stop(self, timeout: float = 40) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(5)
+        super().__init__(upstream, slot_dir, port=port, log_path=log_path, wsgi_app=wsgi_app,
+                         env={"KVPROXY_LOCK_TIMEOUT": "300", "KVPROXY_LOG_LEVEL": "INFO",
+                              **(env or {})})
 
     def worker_pid(self, timeout: float = 10) -> int | None:
         """The gunicorn worker: the child of the master process."""

@@ -300,7 +300,7 @@ def publish(run: dict, args: argparse.Namespace, log) -> int:
             log("README.md has no <!-- bench:start --> / <!-- bench:end --> markers; the section "
                 f"is in {(RESULTS / (args.name + '.md')).relative_to(ROOT)}:\n\n{section}")
     failed = [t for t in run["targets"] if t["status"] == "FAIL"]
-    log(f"targets: " + ", ".join(f"{t['id']} {t['status']}" for t in run["targets"]))
+    log("targets: " + ", ".join(f"{t['id']} {t['status']}" for t in run["targets"]))
     return 3 if failed and args.strict else 0
 
 

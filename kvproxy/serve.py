@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from .llama_process import LlamaServer, wait_until_healthy
+from .processes import LlamaServer, ProxyServer
 
 
 def main() -> int:
@@ -25,10 +24,7 @@ def main() -> int:
     print(f"kvproxy: starting llama-server on port {llama_port} (slots in {slot_dir})", flush=True)
     llama = LlamaServer(slot_dir, port=llama_port, log_path=str(log_dir / "llama-server.log"))
     llama.start()
-    env = {**os.environ, "KVPROXY_UPSTREAM": llama.url, "KVPROXY_SLOT_DIR": slot_dir,
-           "KVPROXY_PORT": str(port)}
-    proxy = subprocess.Popen([sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "wsgi:app"],
-                             env=env, start_new_session=True)
+    proxy = ProxyServer(llama.url, slot_dir, port=port)
 
     stopping = False
 
@@ -39,23 +35,18 @@ def main() -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
-        wait_until_healthy(f"http://127.0.0.1:{port}/health", 60, proxy)
+        proxy.start()
         print(f"kvproxy: ready. llama-server {llama.url}, proxy http://127.0.0.1:{port}\n"
               f"  OpenWebUI (Ollama API):  OLLAMA_BASE_URL=http://127.0.0.1:{port}\n"
               f"  OpenAI clients:          base_url=http://127.0.0.1:{port}/v1\n"
               f"  Anthropic clients:       ANTHROPIC_BASE_URL=http://127.0.0.1:{port}\n"
               f"  Sessions:                curl http://127.0.0.1:{port}/api/sessions\n"
               f"  Logs: {log_dir}/llama-server.log. Ctrl-C stops both.", flush=True)
-        while not stopping and proxy.poll() is None and llama.process.poll() is None:
+        while not stopping and proxy.process.poll() is None and llama.process.poll() is None:
             time.sleep(0.5)
     finally:
         print("kvproxy: stopping", flush=True)
-        if proxy.poll() is None:
-            proxy.send_signal(signal.SIGTERM)
-            try:
-                proxy.wait(35)
-            except subprocess.TimeoutExpired:
-                proxy.kill()
+        proxy.stop()
         llama.stop()
     return 0 if stopping else 1
 

@@ -1,19 +1,13 @@
 """Fixtures: a real llama-server and kvproxy under gunicorn, each on a free port."""
 from __future__ import annotations
 
-import os
 import random
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import requests
 
-from kvproxy.llama_process import LlamaServer, free_port, wait_until_healthy
-
-ROOT = Path(__file__).resolve().parent.parent
+from kvproxy.processes import LlamaServer, ProxyServer
 
 
 class Stack:
@@ -23,49 +17,31 @@ class Stack:
         self.slot_dir = tmp / "slots"
         self.log_dir = tmp
         self.llama = LlamaServer(str(self.slot_dir), log_path=str(tmp / "llama-server.log"))
-        self.port = free_port()
-        self.proxy_env = proxy_env
-        self.proxy: subprocess.Popen | None = None
+        self.proxy = ProxyServer(self.llama.url, str(self.slot_dir),
+                                 log_path=str(tmp / "proxy.log"),
+                                 env={"KVPROXY_LOCK_TIMEOUT": "120", **proxy_env})
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return self.proxy.url
 
     def start(self) -> "Stack":
         self.llama.start()
         try:
-            self.start_proxy()
+            self.proxy.start()
         except BaseException:
             self.stop()
             raise
         return self
 
     def start_proxy(self) -> None:
-        env = {**os.environ, "KVPROXY_UPSTREAM": self.llama.url,
-               "KVPROXY_SLOT_DIR": str(self.slot_dir), "KVPROXY_PORT": str(self.port),
-               "KVPROXY_LOCK_TIMEOUT": "120", **self.proxy_env}
-        log = open(self.log_dir / "proxy.log", "ab")
-        self.proxy = subprocess.Popen(
-            [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "wsgi:app"],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
-        wait_until_healthy(self.url + "/health", 60, self.proxy)
+        self.proxy.start()
 
     def stop_proxy(self) -> None:
-        if self.proxy and self.proxy.poll() is None:
-            self.proxy.send_signal(signal.SIGTERM)
-            try:
-                self.proxy.wait(40)
-            except subprocess.TimeoutExpired:
-                self.proxy.kill()
-                self.proxy.wait(5)
-
-    def restart_proxy(self) -> None:
-        self.stop_proxy()
-        self.start_proxy()
+        self.proxy.stop()
 
     def stop(self) -> None:
-        self.stop_proxy()
+        self.proxy.stop()
         self.llama.stop()
 
     def proxy_log(self) -> str:

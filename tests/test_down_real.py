@@ -2,7 +2,7 @@
 import pytest
 
 from kvproxy import create_app
-from kvproxy.llama_process import free_port
+from kvproxy.processes import free_port
 
 
 @pytest.fixture

