@@ -62,8 +62,9 @@ def serve_chat(call: ChatCall, *, stream: bool,
                mimetype: str) -> Response:
     """Run ``call`` and answer in the dialect's format, streamed or whole.
 
-    The slot is held until the last byte is sent or the client goes away:
-    closing the response closes the upstream request and frees the slot.
+    A whole answer frees the slot once llama-server has answered. A stream
+    holds it until its last byte is sent or the client goes away: closing the
+    response closes the upstream request and frees the slot.
     """
     try:
         if not stream:
