@@ -100,7 +100,7 @@ class Relay:
         timings: dict = {}
         try:
             result = self.client.post_json(call.path, self._upstream_body(call, False))
-            timings = result.get("timings") or {} if isinstance(result, dict) else {}
+            timings = (result.get("timings") or {}) if isinstance(result, dict) else {}
         finally:
             self.switch.release(lease, timings)
         return result, lease.headers()

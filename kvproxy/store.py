@@ -79,11 +79,15 @@ class SessionStore:
     def read_sidecar(self, stem: str) -> dict | None:
         return read_json(self.sidecar_path(stem))
 
-    def update_sidecar(self, stem: str, defaults: dict, **changes: Any) -> dict:
-        """Merge ``changes`` into the sidecar, creating it from ``defaults`` if absent."""
+    def update_sidecar(self, stem: str, defaults: dict, count: str | None = None,
+                       **changes: Any) -> dict:
+        """Merge ``changes`` into the sidecar, creating it from ``defaults`` if absent;
+        ``count`` names a counter to add one to, in the same read and write."""
         sidecar = self.read_sidecar(stem) or {"format": SIDECAR_FORMAT, "stem": stem,
                                               "created_at": now_iso(), "hits": 0, **defaults}
         sidecar.update(changes)
+        if count:
+            sidecar[count] = int(sidecar.get(count) or 0) + 1
         write_json_atomic(self.sidecar_path(stem), sidecar)
         return sidecar
 

@@ -257,9 +257,8 @@ class SlotSwitch:
         restore_ms = (answer.get("timings") or {}).get("restore_ms",
                                                        (time.monotonic() - started) * 1000)
         metrics.observe_swap("restore", time.monotonic() - started, answer.get("n_read", 0))
-        sidecar = self.store.read_sidecar(stem) or {}
-        self.store.update_sidecar(stem, {}, restore_ms=round(restore_ms, 2), last_used_at=now_iso(),
-                                  restores=int(sidecar.get("restores") or 0) + 1)
+        self.store.update_sidecar(stem, {}, count="restores", restore_ms=round(restore_ms, 2),
+                                  last_used_at=now_iso())
         return int(answer.get("n_restored") or 0)
 
     def _erase(self) -> None:
@@ -333,10 +332,8 @@ class SlotSwitch:
             self.store.write_state(state)
         if not session.persistent:
             return
-        sidecar = self.store.read_sidecar(session.stem) or {}
         self.store.update_sidecar(session.stem, {"session_id": session.id, "kind": "session"},
-                                  session_id=session.id, last_used_at=now_iso(),
-                                  hits=int(sidecar.get("hits") or 0) + 1,
+                                  count="hits", session_id=session.id, last_used_at=now_iso(),
                                   last_cache=lease.cache, last_cache_n=cache_n,
                                   last_prompt_n=prompt_n)
         if lease.cache == MISS and self.base_snapshots and session.system_hash and timings:
