@@ -162,7 +162,8 @@ class SlotSwitch:
         if state.get("active_persistent") and state.get("active") and not lost:
             self._save(state["active"], state["active_stem"], made_by, kind="session",
                        system_hash=state.get("active_system_hash"))
-        cache, restored, restored_stem = self._load(session, made_by)
+        restoring_off = fingerprint_key(made_by) in state.get("restore_disabled", {})
+        cache, restored, restored_stem = self._load(session, made_by, restoring_off)
         self.store.write_state({**state, "active": session.id, "active_key": session.key,
                                 "active_stem": session.stem,
                                 "active_persistent": session.persistent,
@@ -228,13 +229,12 @@ class SlotSwitch:
             self.store.update_sidecar(stem, {}, refused=reason, refused_at=now_iso())
             metrics.RESTORE_MISSES.labels("model_mismatch").inc()
             return None
-        if fingerprint_key(made_by) in self.store.read_state().get("restore_disabled", {}):
-            return None
         return sidecar
 
-    def _load(self, session: Session, made_by: dict) -> tuple[str, int, str | None]:
+    def _load(self, session: Session, made_by: dict,
+              restoring_off: bool) -> tuple[str, int, str | None]:
         """Fill the slot for ``session``: its own file, else a base snapshot, else empty."""
-        if session.persistent:
+        if session.persistent and not restoring_off:
             candidates = [(session.stem, RESTORED)]
             if self.base_snapshots and session.system_hash:
                 candidates.append((base_stem(session.system_hash), BASE))
