@@ -191,16 +191,15 @@ def init_app(app) -> None:
                     {**fields, "streamed": "true" if streamed else "false",
                      "duration_ms": f"{elapsed * 1000:.1f}"}))
 
-        if response.is_streamed:
-            # The body is sent after this hook: log when the server closes the response.
-            done = []
+        # The body is sent after this hook: time and log it when the server closes the
+        # response, which also keeps the log write off the client's wait.
+        streamed = response.is_streamed
+        done = []
 
-            def on_close() -> None:
-                if not done:
-                    done.append(True)
-                    finish(True)
+        def on_close() -> None:
+            if not done:
+                done.append(True)
+                finish(streamed)
 
-            response.call_on_close(on_close)
-        else:
-            finish(False)
+        response.call_on_close(on_close)
         return response

@@ -38,6 +38,26 @@ class ChatCall:
         return [{"role": "user", "content": prompt if isinstance(prompt, str) else ""}]
 
 
+class Answer:
+    """A whole answer that holds the slot until it is closed.
+
+    The server closes it once the reply is sent, so recording what the answer
+    showed (sidecar, state file) does not delay the client.
+    """
+
+    def __init__(self, switch: SlotSwitch, lease: Lease, result: Any):
+        self._switch = switch
+        self.lease = lease
+        self.result = result
+        self.headers = lease.headers()
+        timings = result.get("timings") if isinstance(result, dict) else None
+        self.timings: dict = timings if isinstance(timings, dict) else {}
+
+    def close(self) -> None:
+        """Record the answer's timings and free the slot; idempotent."""
+        self._switch.release(self.lease, self.timings)
+
+
 class Exchange:
     """A streaming answer that holds the slot until it is closed."""
 
@@ -94,16 +114,15 @@ class Relay:
             raise
         return Exchange(self.switch, lease, response)
 
-    def complete(self, call: ChatCall) -> tuple[dict, dict[str, str]]:
-        """Take the slot for one non-streaming request; returns the answer and reply headers."""
+    def complete(self, call: ChatCall) -> Answer:
+        """Take the slot for one non-streaming request; the caller must close the answer."""
         lease = self.switch.acquire(self.session_for(call, stream=False))
-        timings: dict = {}
         try:
             result = self.client.post_json(call.path, self._upstream_body(call, False))
-            timings = (result.get("timings") or {}) if isinstance(result, dict) else {}
-        finally:
-            self.switch.release(lease, timings)
-        return result, lease.headers()
+        except BaseException:
+            self.switch.release(lease)
+            raise
+        return Answer(self.switch, lease, result)
 
     def side_call(self, path: str, body: dict) -> dict:
         """A request that uses the slot but belongs to no conversation (embeddings)."""

@@ -175,9 +175,13 @@ class SlotSwitch:
         return Lease(session, cache, restored, swap_ms, restored_stem, made_by)
 
     def _slot_lost(self, state: dict) -> bool:
-        """True when llama-server no longer holds what the state file says (it restarted)."""
+        """True when llama-server no longer holds what the state file says (it restarted).
+
+        A connection still open since the last slot call proves it did not, so
+        ``/slots`` is only asked when that proof is missing.
+        """
         expected = int(state.get("slot_tokens") or 0)
-        if expected <= 0:
+        if expected <= 0 or self.client.same_server_as_last_slot_call():
             return False
         try:
             slots = self.client.slots()

@@ -6,8 +6,24 @@ from pathlib import Path
 
 import pytest
 import requests
+from flask import Flask
+from flask.testing import FlaskClient
 
 from kvproxy.processes import LlamaServer, ProxyServer
+
+
+class ClosingClient(FlaskClient):
+    """A test client that closes each response as a WSGI server does once it is sent.
+
+    kvproxy frees the slot when the server closes the response; Flask's client
+    only does that for buffered responses, so buffering is the default here.
+    """
+
+    def open(self, *args, buffered: bool = True, **kwargs):
+        return super().open(*args, buffered=buffered, **kwargs)
+
+
+Flask.test_client_class = ClosingClient
 
 
 class Stack:

@@ -182,3 +182,19 @@ def test_base_from_another_model_is_replaced(tmp_path, fake):
     sidecar = SessionStore(tmp_path).read_sidecar(base_stem("cafe"))
     assert sidecar["made_by"]["model_path"] == "/models/other.gguf"
     assert turn(switch, Session("three", "test", system_hash="cafe"), fake).cache == BASE
+
+
+def test_whole_answer_holds_the_slot_until_the_reply_is_closed(tmp_path, fake):
+    """The reply goes out first; the sidecar is written and the slot freed when it is closed."""
+    app = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM, "base_snapshots": False})
+    switch = app.extensions["kvproxy.switch"]
+    reply = app.test_client().post("/v1/chat/completions", headers={"X-Session-Id": "held"},
+                                   json={"messages": [{"role": "user", "content": "hi"}]},
+                                   buffered=False)
+    assert reply.status_code == 200 and reply.json["choices"]
+    stem = Session("held", "header").stem
+    assert switch._thread_lock.locked()
+    assert not (SessionStore(tmp_path).read_sidecar(stem) or {}).get("hits")
+    reply.close()
+    assert not switch._thread_lock.locked()
+    assert SessionStore(tmp_path).read_sidecar(stem)["hits"] == 1

@@ -62,16 +62,22 @@ def serve_chat(call: ChatCall, *, stream: bool,
                mimetype: str) -> Response:
     """Run ``call`` and answer in the dialect's format, streamed or whole.
 
-    A whole answer frees the slot once llama-server has answered. A stream
-    holds it until its last byte is sent or the client goes away: closing the
-    response closes the upstream request and frees the slot.
+    Either kind holds the slot until the server closes the response: a whole
+    answer once it is sent (its bookkeeping then runs off the client's wait),
+    a stream after its last byte or when the client goes away, which also
+    closes the upstream request.
     """
     try:
         if not stream:
-            result, headers = relay().complete(call)
-            reply = render_full(result)
-            response = reply if isinstance(reply, Response) else current_app.json.response(reply)
-            response.headers.update(headers)
+            answer = relay().complete(call)
+            try:
+                reply = render_full(answer.result)
+                response = reply if isinstance(reply, Response) else current_app.json.response(reply)
+                response.headers.update(answer.headers)
+            except BaseException:
+                answer.close()
+                raise
+            response.call_on_close(answer.close)
             return response
         exchange = relay().stream(call)
     except HANDLED as exc:
