@@ -20,6 +20,7 @@ _local = threading.local()
 def _http() -> requests.Session:
     if not hasattr(_local, "session"):
         _local.session = requests.Session()
+        _local.session.trust_env = False  # as kvproxy: no proxy-variable lookup per call
     return _local.session
 
 
@@ -31,5 +32,6 @@ def health() -> Response:
 @app.post("/v1/chat/completions")
 def chat() -> Response:
     answer = _http().post(UPSTREAM + "/v1/chat/completions", data=request.get_data(),
-                          headers={"Content-Type": "application/json"}, timeout=(5, 120))
+                          headers={"Content-Type": "application/json"}, timeout=(5, 120),
+                          allow_redirects=False)
     return Response(answer.content, status=answer.status_code, mimetype="application/json")
