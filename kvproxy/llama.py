@@ -96,7 +96,7 @@ class LlamaClient:
         if witness is None:
             return False
         connection, sock = witness
-        return connection.sock is sock and bool(connection.is_connected)
+        return connection.sock is sock and bool(getattr(connection, "is_connected", False))
 
     # -- model facts -------------------------------------------------------
     def health(self) -> dict:
