@@ -198,3 +198,24 @@ def test_whole_answer_holds_the_slot_until_the_reply_is_closed(tmp_path, fake):
     reply.close()
     assert not switch._thread_lock.locked()
     assert SessionStore(tmp_path).read_sidecar(stem)["hits"] == 1
+
+
+def test_a_failing_hook_after_the_answer_does_not_keep_the_slot(tmp_path, fake):
+    """The answer's response is replaced by an error page and never closed: the slot is freed."""
+    app = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM, "lock_timeout": 1})
+    switch = app.extensions["kvproxy.switch"]
+    failing = [True]
+
+    @app.after_request
+    def broken_hook(response):
+        if failing.pop():
+            raise RuntimeError("a bug in a hook")
+        return response
+
+    client = app.test_client()
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    reply = client.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 500 and reply.json["error"]["code"] == 500
+    assert not switch._thread_lock.locked()
+    failing.append(False)
+    assert client.post("/v1/chat/completions", json=body).status_code == 200

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Iterable, Iterator
 
-from flask import Response, current_app, request
+from flask import Response, current_app, g, request
 
 from ..llama import UpstreamError, UpstreamUnavailable
 from ..relay import ChatCall, Relay
@@ -54,6 +54,22 @@ def failure(exc: Exception) -> Failure:
 HANDLED = (BadRequest, SlotBusy, UpstreamUnavailable, UpstreamError)
 
 
+def hold_slot_until_closed(response: Response, close: Callable[[], None]) -> None:
+    """Free the slot when the server closes ``response``.
+
+    If a later hook fails, Flask sends an error page instead and this response
+    is never closed: the error handler then calls ``free_held_slot``.
+    """
+    g.setdefault("kvproxy_slot_closers", []).append(close)
+    response.call_on_close(close)
+
+
+def free_held_slot() -> None:
+    """Free a slot this request still holds (its response was replaced by an error)."""
+    for close in g.pop("kvproxy_slot_closers", []):
+        close()
+
+
 def serve_chat(call: ChatCall, *, stream: bool,
                render_full: Callable[[dict], Any],
                render_stream: Callable[[Iterable[tuple[bytes, dict | None]]], Iterator[bytes]],
@@ -77,7 +93,7 @@ def serve_chat(call: ChatCall, *, stream: bool,
             except BaseException:
                 answer.close()
                 raise
-            response.call_on_close(answer.close)
+            hold_slot_until_closed(response, answer.close)
             return response
         exchange = relay().stream(call)
     except HANDLED as exc:
@@ -98,5 +114,5 @@ def serve_chat(call: ChatCall, *, stream: bool,
     response = Response(body(), mimetype=mimetype, headers=exchange.headers)
     response.headers["Cache-Control"] = "no-cache"
     response.headers["X-Accel-Buffering"] = "no"  # nginx: relay chunks as they come
-    response.call_on_close(exchange.close)
+    hold_slot_until_closed(response, exchange.close)
     return response

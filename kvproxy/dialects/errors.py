@@ -11,6 +11,7 @@ from flask import Flask, request
 from werkzeug.exceptions import HTTPException
 
 from . import anthropic, ollama, openai
+from .common import free_held_slot
 
 log = logging.getLogger("kvproxy.errors")
 
@@ -34,6 +35,8 @@ def init_app(app: Flask, api) -> None:
         if request.path.startswith(ADMIN_PATHS):
             return api.handle_http_exception(exc)
         status = exc.code or 500
+        if status == 500:
+            free_held_slot()
         message = exc.description if status != 500 else "internal error in kvproxy; see its log"
         return renderer_for(request.path)(status, f"{request.method} {request.path}: {message}",
                                           {"Allow": exc.valid_methods and ", ".join(exc.valid_methods)}
