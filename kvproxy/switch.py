@@ -153,8 +153,9 @@ class SlotSwitch:
 
     def _swap_to(self, session: Session) -> Lease:
         state = self.store.read_state()
-        lost = self._slot_lost(state)
-        if state.get("active_key") == session.key and not lost:
+        keep = state.get("active_key") == session.key
+        lost = self._slot_lost(state, trust_connection=keep)
+        if keep and not lost:
             metrics.SWAPS.labels("none").inc()
             return Lease(session, HIT)
         started = time.monotonic()
@@ -174,14 +175,17 @@ class SlotSwitch:
                  session.id, session.source, cache, restored, swap_ms)
         return Lease(session, cache, restored, swap_ms, restored_stem, made_by)
 
-    def _slot_lost(self, state: dict) -> bool:
+    def _slot_lost(self, state: dict, trust_connection: bool = False) -> bool:
         """True when llama-server no longer holds what the state file says (it restarted).
 
-        A connection still open since the last slot call proves it did not, so
-        ``/slots`` is only asked when that proof is missing.
+        With ``trust_connection``, a connection still open since the last slot
+        call counts as proof that it did not, and ``/slots`` is not asked. Only
+        the no-swap path trusts it: were llama-server behind another proxy, the
+        connection could outlive a restart, and the worst outcome must be one
+        prefill, never an emptied slot saved over a session's file.
         """
         expected = int(state.get("slot_tokens") or 0)
-        if expected <= 0 or self.client.same_server_as_last_slot_call():
+        if expected <= 0 or (trust_connection and self.client.same_server_as_last_slot_call()):
             return False
         try:
             slots = self.client.slots()

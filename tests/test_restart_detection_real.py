@@ -64,3 +64,8 @@ def test_open_connection_spares_slots_check_and_a_restart_is_still_noticed(llama
     assert client.slots_calls == before + 1
     assert lease.cache == RESTORED
     assert timings["cache_n"] >= 0.9 * (timings["cache_n"] + timings["prompt_n"]), timings
+
+    # A swap saves the slot over a file: it always asks /slots, open connection or not.
+    assert client.same_server_as_last_slot_call()
+    lease, _ = turn(switch, client, b, "Name rule 2.")
+    assert lease.cache == RESTORED and client.slots_calls == before + 2
