@@ -28,6 +28,15 @@ SERVER_LINE = re.compile(r"^(\s*)server\s+([^\s{;]+)([^;]*);[^\n]*\n", re.M)
 LISTEN_LINE = re.compile(r"^(\s*)listen\s+[^;]+;", re.M)
 
 
+def light_stack(tmp: Path, **proxy_env: str):
+    """A llama-server + kvproxy pair whose llama-server uses one thread: several test servers
+    on a shared 2-core machine slow each other down badly with llama.cpp's spinning threads."""
+    from tests.conftest import Stack
+    stack = Stack(tmp, **proxy_env)
+    stack.llama.extra_args += ["-t", "1"]
+    return stack
+
+
 def nginx_binary() -> str:
     path = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
     if path is None:

@@ -18,7 +18,7 @@ import pytest
 import requests
 
 from tests.conftest import Stack
-from tests.nginx_harness import Nginx, httpx_client_from, seconds
+from tests.nginx_harness import Nginx, httpx_client_from, light_stack, seconds
 
 pytestmark = [pytest.mark.real, pytest.mark.deploy]
 
@@ -70,7 +70,7 @@ class Conversation:
 
 class Cluster:
     def __init__(self, tmp):
-        self.pairs = {name: Stack(tmp / name, KVPROXY_NODE_NAME=name)
+        self.pairs = {name: light_stack(tmp / name, KVPROXY_NODE_NAME=name)
                       for name in ("node-a", "node-b")}
         self.tmp = tmp
 
