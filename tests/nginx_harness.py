@@ -16,7 +16,7 @@ import subprocess
 import time
 from pathlib import Path
 
-import httpx
+import httpx2
 import pytest
 import requests
 from requests.adapters import HTTPAdapter
@@ -179,6 +179,6 @@ def session_from(address: str) -> requests.Session:
     return session
 
 
-def httpx_client_from(address: str, timeout: float = 300) -> httpx.Client:
-    """An httpx client (what the openai and anthropic libraries use) bound to ``address``."""
-    return httpx.Client(transport=httpx.HTTPTransport(local_address=address), timeout=timeout)
+def httpx_client_from(address: str, timeout: float = 300) -> httpx2.Client:
+    """An HTTP client of the kind the openai and anthropic libraries use (httpx2), bound to ``address``."""
+    return httpx2.Client(transport=httpx2.HTTPTransport(local_address=address), timeout=timeout)
