@@ -41,7 +41,7 @@ run: setup
 test: setup nginx
 	$(BIN)/python -m pytest -m "not deploy"
 
-# nginx in front of one and then two kvproxy + llama-server pairs (about 4 minutes).
+# nginx in front of one and then two kvproxy + llama-server pairs (about 7 minutes).
 test-deploy: setup nginx
 	$(BIN)/python -m pytest -m deploy
 
