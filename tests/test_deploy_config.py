@@ -91,6 +91,8 @@ def test_nginx_closes_idle_upstream_connections_before_gunicorn(name, monkeypatc
 def test_body_limit_and_admin_routes(name):
     text = site(name)
     assert directive_values(text, "client_max_body_size") == ["64m"]
+    assert directive_values(text, "error_page") == ["413 @body_too_large"]
+    assert "location @body_too_large {" in text
     admin = re.search(r"location /api/sessions \{(.*?)\}", text, re.S).group(1)
     assert "deny all;" in admin and "allow 127.0.0.1;" in admin
 

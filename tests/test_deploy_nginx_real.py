@@ -132,3 +132,23 @@ def test_admin_api_only_from_this_machine(nginx):
     with session_from("127.0.0.2") as elsewhere:
         assert elsewhere.get(nginx.url + "/api/sessions", timeout=30).status_code == 403
         assert elsewhere.get(nginx.url + "/health", timeout=30).status_code == 200
+
+
+TOO_LARGE = "word " * (13 * 1024 * 1024)     # 65 MiB of text: over the 64 MiB body limit
+
+
+def test_a_body_over_the_limit_gets_an_error_each_client_shows(nginx):
+    """nginx refuses it before kvproxy sees it, in each API's own error shape."""
+    messages = [{"role": "user", "content": TOO_LARGE}]
+    with pytest.raises(openai.APIStatusError) as caught:
+        openai.OpenAI(base_url=nginx.url + "/v1", api_key="x", max_retries=0, timeout=120) \
+            .chat.completions.create(model="any", max_tokens=1, messages=messages)
+    assert caught.value.status_code == 413 and "larger than 64 MiB" in caught.value.message
+    with pytest.raises(anthropic.APIStatusError) as caught:
+        anthropic.Anthropic(base_url=nginx.url, api_key="x", max_retries=0, timeout=120) \
+            .messages.create(model="any", max_tokens=1, messages=messages)
+    assert caught.value.status_code == 413 and "larger than 64 MiB" in caught.value.message
+    assert caught.value.body["error"]["type"] == "request_too_large"
+    with pytest.raises(ollama.ResponseError) as caught:
+        ollama.Client(host=nginx.url, timeout=120).chat(model="any", messages=messages)
+    assert caught.value.status_code == 413 and caught.value.error == "request body larger than 64 MiB"
