@@ -175,6 +175,8 @@ def test_stop_timeout_covers_the_graceful_stop_and_the_save(monkeypatch):
     stop = int(unit("kvproxy.service")["Service"]["TimeoutStopSec"])
     assert stop >= graceful + 30, "no time left to save the active session"
     assert unit("kvproxy.service")["Service"]["KillMode"] == "mixed"
+    # A reload (HUP) would run two workers over the one slot for a while: restart instead.
+    assert "ExecReload" not in unit("kvproxy.service")["Service"]
 
 
 def test_environment_file_names_only_known_settings():
