@@ -21,16 +21,16 @@ def probe(tmp_path, **env):
 
 @pytest.fixture
 def short_timeout(tmp_path):
-    server = probe(tmp_path, KVPROXY_WORKER_TIMEOUT="2")
+    server = probe(tmp_path, KVPROXY_WORKER_TIMEOUT="3")
     yield server
     server.stop()
 
 
 def test_worker_timeout_does_not_cut_a_long_stream(short_timeout):
-    """A 5 s stream and a 5 s silent wait, with a worker timeout of 2 s."""
-    reply = requests.get(short_timeout.url + "/stream?s=5", timeout=30)
-    assert reply.status_code == 200 and reply.text.count("\n") == 20
-    assert requests.get(short_timeout.url + "/slow?s=5", timeout=30).text == "done\n"
+    """A 7 s stream and a 7 s silent wait, with a worker timeout of 3 s."""
+    reply = requests.get(short_timeout.url + "/stream?s=7", timeout=30)
+    assert reply.status_code == 200 and reply.text.count("\n") == 28
+    assert requests.get(short_timeout.url + "/slow?s=7", timeout=30).text == "done\n"
     log = (short_timeout.log_path and open(short_timeout.log_path).read()) or ""
     assert "WORKER TIMEOUT" not in log
 
