@@ -67,9 +67,8 @@ def chat_completions() -> Response:
 
 
 @blueprint.post("/v1/completions")
-@blueprint.post("/completions")
 def completions() -> Response:
-    """OpenAI legacy text completions."""
+    """OpenAI legacy text completions (llama-server's /completions is its native route)."""
     return _serve("/v1/completions", "prompt", (str, list))
 
 
