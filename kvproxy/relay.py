@@ -158,7 +158,8 @@ class Relay:
             entry = (models.get("data") or [{}])[0]
             upstream_id = entry.get("id") or props.get("model_alias") or "model"
             name = self.settings.model_name or upstream_id.rsplit("/", 1)[-1].removesuffix(".gguf")
-            facts = {"props": props, "model": entry, "upstream_id": upstream_id, "name": name}
+            facts = {"props": props, "model": entry, "upstream_id": upstream_id, "name": name,
+                     "listing": models}
             self._facts = (time.monotonic(), facts)
             return facts
 

@@ -122,6 +122,12 @@ def test_every_passthrough_route_is_served(app):
             assert renderer_for(path) is openai_error, path
 
 
+def test_slot_actions_are_refused_without_reaching_llama_server(app, fake):
+    reply = app.test_client().post("/slots/0?action=erase", json={})
+    assert reply.status_code == 403 and "/api/sessions" in reply.get_json()["error"]["message"]
+    assert fake.actions == []
+
+
 def test_plain_routes_relay_answers_and_errors_unchanged_without_the_slot(app, fake):
     fake.mock.add(responses.POST, f"{UPSTREAM}/tokenize", json={"tokens": [1, 2]})
     error = {"error": {"code": 400, "message": "bad", "type": "invalid_request_error"}}
@@ -162,3 +168,15 @@ def test_unreachable_llama_server_answers_in_openai_shape(tmp_path):
                   app.test_client().post("/v1/rerank", json={"query": "q", "documents": ["d"]})):
         assert reply.status_code == 502
         assert {"message", "type", "param", "code"} <= set(reply.get_json()["error"])
+
+
+def test_models_keep_llama_servers_fields_under_the_served_name(app, fake):
+    """Maki's llama.cpp provider reads data[].meta (context size) from /v1/models."""
+    fake.mock.replace(responses.GET, f"{UPSTREAM}/v1/models", json={
+        "models": [{"name": "tiny.gguf", "model": "tiny.gguf", "capabilities": ["completion"]}],
+        "object": "list", "data": [{"id": "tiny.gguf", "object": "model", "created": 1,
+                                    "owned_by": "llamacpp", "meta": {"n_ctx_train": 8192}}]})
+    listing = app.test_client().get("/v1/models").get_json()
+    assert listing["data"][0]["meta"] == {"n_ctx_train": 8192}
+    assert listing["data"][0]["id"] == "tiny" and listing["object"] == "list"
+    assert listing["models"] == [{"name": "tiny", "model": "tiny", "capabilities": ["completion"]}]

@@ -81,8 +81,13 @@ def models() -> Response:
     except HANDLED as exc:
         return render_error(*failure(exc))
     created = int(facts["model"].get("created") or time.time())
-    entry = {"id": facts["name"], "object": "model", "created": created, "owned_by": "llamacpp",
-             "type": "model", "display_name": facts["name"],
+    # llama-server's own fields first (Maki reads meta), then the served name
+    entry = {**facts["model"], "id": facts["name"], "object": "model", "created": created,
+             "owned_by": facts["model"].get("owned_by") or "llamacpp", "type": "model",
+             "display_name": facts["name"],
              "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))}
-    return jsonify({"object": "list", "data": [entry], "has_more": False,
-                    "first_id": entry["id"], "last_id": entry["id"]})
+    listing = facts.get("listing") if isinstance(facts.get("listing"), dict) else {}
+    named = [{**item, "name": facts["name"], "model": facts["name"]}
+             for item in listing.get("models") or [] if isinstance(item, dict)]
+    return jsonify({**({"models": named} if named else {}), "object": "list", "data": [entry],
+                    "has_more": False, "first_id": entry["id"], "last_id": entry["id"]})

@@ -23,6 +23,7 @@ blueprint = Blueprint("passthrough", __name__)
 
 PLAIN = "plain"
 SIDE = "side"
+REFUSED = "refused"
 # llama-server answers these quickly; a stuck one must not hold a client for long.
 PLAIN_READ_TIMEOUT = 60.0
 # Headers of llama-server's answer that describe the body, and so go back with it.
@@ -58,10 +59,14 @@ ROUTES = (
     Route(("/audio/transcriptions", "/v1/audio/transcriptions"), ("POST",), SIDE,
           "speech to text (needs an audio model)"),
     Route(("/v1/systemone",), ("POST",), SIDE, "decision models"),
+    Route(("/slots/<id_slot>",), ("POST",), REFUSED,
+          "slot save, restore and erase belong to kvproxy: use /api/sessions"),
 )
 
 
 def _forward(route: Route) -> Response:
+    if route.kind == REFUSED:
+        return render_error(403, f"{request.method} {request.path}: {route.why}")
     client = relay().client
     side = route.kind == SIDE
     lease = None
@@ -104,10 +109,11 @@ def _chunks(upstream) -> Iterator[bytes]:
 
 def _register() -> None:
     for route in ROUTES:
-        def view(route: Route = route) -> Response:
+        def view(route: Route = route, **_path_args: str) -> Response:
             return _forward(route)
         for path in route.paths:
-            blueprint.add_url_rule(path, endpoint=path.strip("/").replace("/", "_"),
+            endpoint = path.strip("/").replace("/", "_").replace("<", "").replace(">", "")
+            blueprint.add_url_rule(path, endpoint=endpoint,
                                    view_func=view, methods=list(route.methods))
 
 
