@@ -120,6 +120,9 @@ def test_every_passthrough_route_is_served(app):
         for path in route.paths:
             assert set(route.methods) <= rules[path], path
             assert renderer_for(path) is openai_error, path
+    for path in ("/infill", "/responses", "/v1/responses", "/completion", "/completions"):
+        reply = app.test_client().get(path)  # wrong method: llama-server's error shape
+        assert reply.status_code == 405 and reply.get_json()["error"]["type"], path
 
 
 def test_slot_actions_are_refused_without_reaching_llama_server(app, fake):
