@@ -7,6 +7,8 @@ collapsed into one). Corpus entries are JSON files ``{"method", "path",
 ``"expect"`` hints:
   ``{"direct": false}``   only kvproxy is asked (a route llama-server lacks)
   ``{"status": 4}``       the status class both sides must answer
+  ``{"extra": "why"}``    kvproxy may add keys to a successful answer (say why)
+  ``{"extra_events": ["ping"], "why": "..."}``  events kvproxy may add to a stream
 """
 from __future__ import annotations
 
@@ -154,11 +156,16 @@ def form_of(status: int, content_type: str, text: str) -> Form:
         return Form(status, "text")
 
 
-def differences(direct: Form, proxied: Form) -> list[str]:
+def differences(direct: Form, proxied: Form, expect: dict | None = None) -> list[str]:
     """What a client would notice: another status class, another kind of body, keys or
     events missing or added. An error may carry more keys through kvproxy (OpenAI's
-    ``param``), never fewer."""
+    ``param``), never fewer; other additions only where ``expect`` allows them."""
+    expect = expect or {}
     found = []
+    added_events = set(expect.get("extra_events") or ())
+    if added_events:
+        proxied = Form(proxied.status, proxied.kind, paths=proxied.paths,
+                       events=[e for e in proxied.events if e not in added_events])
     if direct.status_class != proxied.status_class:
         found.append(f"status {direct.status} direct, {proxied.status} through kvproxy")
     if direct.kind != proxied.kind:
@@ -167,7 +174,8 @@ def differences(direct: Form, proxied: Form) -> list[str]:
         found.append(f"events {direct.events} direct, {proxied.events} through kvproxy")
     elif direct.kind == "json":
         missing = direct.paths - proxied.paths
-        extra = proxied.paths - direct.paths if direct.status < 400 else set()
+        extra = proxied.paths - direct.paths \
+            if direct.status < 400 and not expect.get("extra") else set()
         if missing:
             found.append(f"missing through kvproxy: {sorted(missing)}")
         if extra:

@@ -68,3 +68,13 @@ def test_corpus_loads_hand_made_and_recorded_requests(tmp_path):
     assert corpus[1].request_kwargs()["headers"] == {"X-Session-Id": "s",
                                                      "Content-Type": "application/json"}
     assert not Entry("x", "GET", "/v1/x", expect={"direct": False}).direct
+
+
+def test_allowed_additions_are_named_in_the_entry():
+    direct = form_of(200, "application/json", '{"a": 1}')
+    richer = form_of(200, "application/json", '{"a": 1, "b": 2}')
+    assert differences(direct, richer, {"extra": "b is kvproxy's"}) == []
+    assert differences(richer, direct, {"extra": "b is kvproxy's"})  # never fewer
+    pinged = form_of(200, "text/event-stream", sse(("a", {}), ("ping", {}), ("b", {})))
+    plain = form_of(200, "text/event-stream", sse(("a", {}), ("b", {})))
+    assert differences(plain, pinged) and differences(plain, pinged, {"extra_events": ["ping"]}) == []

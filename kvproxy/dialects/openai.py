@@ -48,9 +48,10 @@ def _serve(path: str, required: str, kinds: tuple[type, ...]) -> Response:
         body = json_body()
         if required not in body:
             raise BadRequest(f"'{required}' is required")
-        if not isinstance(body[required], kinds) or not body[required]:
-            raise BadRequest(f"'{required}' must be a non-empty "
-                             + " or ".join("array" if k is list else "string" for k in kinds))
+        # Empty is llama-server's to judge: it answers an empty 'messages' list.
+        if not isinstance(body[required], kinds):
+            raise BadRequest(f"'{required}' must be "
+                             + " or ".join("an array" if k is list else "a string" for k in kinds))
     except HANDLED as exc:
         return render_error(*failure(exc))
     call = ChatCall(body=body, headers=request.headers, raw=body, path=path)
