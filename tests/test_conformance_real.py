@@ -11,8 +11,18 @@ import pytest
 import requests
 
 from tests.conformance import differences, form_of, load_corpus
+from tests.conftest import Stack
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, fim_model):
+    """As conftest's stack, on the bundled model with FIM tokens named, so /infill answers."""
+    started = Stack(tmp_path_factory.mktemp("stack"), model=fim_model).start()
+    yield started
+    started.stop()
+
 
 CORPUS = load_corpus()
 TIMEOUT = (5, 120)

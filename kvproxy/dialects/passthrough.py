@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
+import requests
 from flask import Blueprint, Response, request
 
 from ..identity import SIDE_SESSION, Session
@@ -90,7 +91,7 @@ def _forward(route: Route) -> Response:
         return response
     try:  # the slot is freed before the answer goes out: a side task holds nothing after it
         content = upstream.content
-    except Exception as exc:  # noqa: BLE001 - a broken read is llama-server going away
+    except requests.RequestException as exc:  # llama-server went away mid-answer
         return render_error(502, f"llama-server stopped answering {request.path}: "
                                  f"{exc.__class__.__name__}")
     finally:
@@ -100,9 +101,12 @@ def _forward(route: Route) -> Response:
                     headers={**headers, **lease.headers()})
 
 
-def _chunks(upstream) -> Iterator[bytes]:
+def _chunks(upstream: requests.Response) -> Iterator[bytes]:
+    """llama-server's answer as it comes; a broken read ends it (the status is already sent)."""
     try:
         yield from upstream.iter_content(chunk_size=None)
+    except requests.RequestException:
+        return
     finally:
         upstream.close()
 
