@@ -8,7 +8,8 @@ from tests.conformance import (Entry, bounded, differences, form_of, key_paths, 
 def sse(*events):
     out = ""
     for name, data in events:
-        out += (f"event: {name}\n" if name else "") + f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+        payload = data if isinstance(data, str) else json.dumps(data)
+        out += (f"event: {name}\n" if name else "") + f"data: {payload}\n\n"
     return out
 
 

@@ -40,7 +40,8 @@ class Route:
 
 
 ROUTES = (
-    Route(("/props",), ("GET", "POST"), PLAIN, "model and server properties (Maki discovers the model here)"),
+    Route(("/props",), ("GET", "POST"), PLAIN,
+          "model and server properties (Maki discovers the model here)"),
     Route(("/tokenize", "/detokenize"), ("POST",), PLAIN, "the model's tokenizer"),
     Route(("/apply-template",), ("POST",), PLAIN, "the chat template, without generating"),
     Route(("/chat/completions/input_tokens", "/v1/chat/completions/input_tokens",
