@@ -74,3 +74,20 @@ def test_infill_with_a_file_name_gets_a_session_per_file():
     assert one.key != two.key and one.key == infill_session({}, {"filename": "a.py"}, HEADERS).key
     hostile = infill_session({}, {"filename": "../../etc/passwd"}, HEADERS)
     assert "/" not in hostile.stem and ".." not in hostile.stem
+
+
+def test_recorded_codex_request_is_named_by_its_session():
+    """Codex CLI 0.169 sends its session id as a Session-Id header and as prompt_cache_key."""
+    import json
+    from pathlib import Path
+    recorded = json.loads((Path(__file__).parent / "fixtures/recorded/codex/"
+                           "01-responses-first-turn.json").read_text())
+    body = recorded["body"]
+    from werkzeug.datastructures import Headers
+    session = identity.resolve(Headers(recorded["headers"]), responses_identity_body(body),
+                               responses_messages(body), stream=True,
+                               header_names=("X-Session-Id", "Session-Id"))
+    assert (session.id, session.source) == (body["prompt_cache_key"], "header:Session-Id")
+    without_header = resolve(body)
+    assert without_header.id == body["prompt_cache_key"]
+    assert without_header.system_hash  # developer messages are its system prompt
