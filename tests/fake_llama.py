@@ -5,6 +5,7 @@ does, so tests can check the swap sequence and the files it leaves.
 """
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -24,17 +25,20 @@ class FakeLlama:
         self.slot_dir = Path(slot_dir)
         self.actions: list[tuple[str, str | None]] = []
         self.tokens = 0            # tokens the slot holds
-        self.props = dict(PROPS)
+        self.props = copy.deepcopy(PROPS)
+        self.models = copy.deepcopy(MODELS)
         self.fail_restore = False
         self.chat_timings = {"cache_n": 0, "prompt_n": 10, "predicted_n": 2}
         mock.add_callback(responses.POST, re.compile(rf"{UPSTREAM}/slots/0\?action=\w+"),
                           callback=self._slot)
         mock.add_callback(responses.GET, f"{UPSTREAM}/props", callback=lambda r: self._json(self.props))
-        mock.add(responses.GET, f"{UPSTREAM}/v1/models", json=MODELS)
+        mock.add_callback(responses.GET, f"{UPSTREAM}/v1/models",
+                          callback=lambda r: self._json(self.models))
         mock.add_callback(responses.GET, f"{UPSTREAM}/slots",
                           callback=lambda r: self._json([self.slot_entry()]))
         mock.add(responses.GET, f"{UPSTREAM}/health", json={"status": "ok"})
         mock.add_callback(responses.POST, f"{UPSTREAM}/v1/chat/completions", callback=self._chat)
+        mock.add_callback(responses.POST, f"{UPSTREAM}/v1/completions", callback=self._text)
 
     def slot_entry(self) -> dict:
         """As llama-server lists it: no id_task until a task ran since start."""
@@ -82,4 +86,18 @@ class FakeLlama:
                            "usage": {"prompt_tokens": timings["prompt_n"] + timings["cache_n"],
                                      "completion_tokens": 2,
                                      "prompt_tokens_details": {"cached_tokens": timings["cache_n"]}},
+                           "timings": timings})
+
+    def _text(self, request):
+        """/v1/completions: the same answer as text chunks, timings on the last one."""
+        body = json.loads(request.body)
+        timings = dict(self.chat_timings)
+        self.tokens = timings["cache_n"] + timings["prompt_n"] + timings["predicted_n"]
+        if body.get("stream"):
+            chunks = [{"choices": [{"index": 0, "text": "ok"}]},
+                      {"choices": [{"index": 0, "text": "", "finish_reason": "stop"}],
+                       "timings": timings}]
+            text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+            return 200, {"Content-Type": "text/event-stream"}, text
+        return self._json({"choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}],
                            "timings": timings})
