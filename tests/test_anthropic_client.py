@@ -99,3 +99,20 @@ def test_session_switch_a_b_a_reads_the_cache(client):
     assert total == prompt_tokens(first_a.usage)
     assert again_a.usage.cache_read_input_tokens >= 0.9 * total, again_a.usage
     assert headers_again["x-kvproxy-cache"] == "restored"
+
+
+def test_raw_stream_ends_with_message_stop(stack, http):
+    """The SDK tolerates a stream without message_stop; the raw event sequence must have it."""
+    reply = http.post(stack.url + "/v1/messages", stream=True, timeout=120,
+                      headers={"x-api-key": "x", "anthropic-version": "2023-06-01"},
+                      json={"model": "claude", "max_tokens": 8, "stream": True,
+                            "temperature": 0, "messages": QUESTION})
+    assert reply.status_code == 200
+    lines = [line for line in reply.iter_lines(decode_unicode=True) if line]
+    names = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+    datas = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: ")]
+    assert [d["type"] for d in datas] == names, "each event line names its data's type"
+    assert names[0] == "message_start"
+    assert names[-2:] == ["message_delta", "message_stop"] and names.count("message_stop") == 1
+    blocks = [n for n in names if n in ("content_block_start", "content_block_stop")]
+    assert blocks and blocks == ["content_block_start", "content_block_stop"] * (len(blocks) // 2)
