@@ -28,6 +28,7 @@ class FakeLlama:
         self.props = copy.deepcopy(PROPS)
         self.models = copy.deepcopy(MODELS)
         self.fail_restore = False
+        self.slot_timings = True   # llama-server reports save_ms / restore_ms
         self.chat_timings = {"cache_n": 0, "prompt_n": 10, "predicted_n": 2}
         mock.add_callback(responses.POST, re.compile(rf"{UPSTREAM}/slots/0\?action=\w+"),
                           callback=self._slot)
@@ -58,7 +59,8 @@ class FakeLlama:
         if action == "save":
             (self.slot_dir / filename).write_bytes(b"ggsq" + bytes(self.tokens))
             return self._json({"id_slot": 0, "filename": filename, "n_saved": self.tokens,
-                               "n_written": self.tokens + 4, "timings": {"save_ms": 1.5}})
+                               "n_written": self.tokens + 4,
+                               **({"timings": {"save_ms": 1.5}} if self.slot_timings else {})})
         if action == "restore":
             path = self.slot_dir / filename
             if self.fail_restore or not path.exists():
@@ -67,7 +69,8 @@ class FakeLlama:
                                              "type": "invalid_request_error"}}, 400)
             self.tokens = path.stat().st_size - 4
             return self._json({"id_slot": 0, "filename": filename, "n_restored": self.tokens,
-                               "n_read": self.tokens + 4, "timings": {"restore_ms": 0.5}})
+                               "n_read": self.tokens + 4,
+                               **({"timings": {"restore_ms": 0.5}} if self.slot_timings else {})})
         erased, self.tokens = self.tokens, 0
         return self._json({"id_slot": 0, "n_erased": erased})
 

@@ -1,8 +1,10 @@
 """Kill rate per module and the surviving mutants of the last `make mutate` run.
 
 Reads mutmut's result files under ``mutants/``; usage:
-``python -m tests.mutation_report [module ...]`` (module names as in ``kvproxy/``, e.g.
-``switch dialects.common``; none: every module with results).
+``python -m tests.mutation_report [--names] [module ...]`` (module names as in ``kvproxy/``,
+e.g. ``switch dialects.common``; none: every module with results). ``--names`` prints only the
+names of the mutants not killed yet (survivors and unchecked ones), to rerun just those:
+``mutmut run $(python -m tests.mutation_report --names switch)``.
 """
 from __future__ import annotations
 
@@ -21,8 +23,9 @@ def module_of(meta: Path) -> str:
     return ".".join(meta.relative_to(RESULTS).with_suffix("").with_suffix("").parts)
 
 
-def results(modules: list[str]) -> dict[str, dict[str, str]]:
-    """``{module: {mutant: status}}`` for the chosen modules, checked mutants only."""
+def results(modules: list[str], unchecked: bool = False) -> dict[str, dict[str, str]]:
+    """``{module: {mutant: status}}`` for the chosen modules, checked mutants only
+    unless ``unchecked``."""
     found = {}
     for meta in sorted(RESULTS.rglob("*.py.meta")):
         module = module_of(meta)
@@ -30,7 +33,7 @@ def results(modules: list[str]) -> dict[str, dict[str, str]]:
             continue
         codes = json.loads(meta.read_text())["exit_code_by_key"]
         statuses = {name: status_by_exit_code[code] for name, code in codes.items()}
-        checked = {n: s for n, s in statuses.items() if s != "not checked"}
+        checked = {n: s for n, s in statuses.items() if unchecked or s != "not checked"}
         if checked:
             found[module] = checked
     return found
@@ -73,5 +76,14 @@ def row(module: str, counts: Counter) -> str:
             f"{counts['no tests']:>8} {rate:>9}")
 
 
+def names(modules: list[str]) -> int:
+    for statuses in results(modules, unchecked=True).values():
+        for name, status in sorted(statuses.items()):
+            if status not in ("killed", "timeout"):
+                print(name)
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    args = sys.argv[1:]
+    sys.exit(names(args[1:]) if args[:1] == ["--names"] else main(args))

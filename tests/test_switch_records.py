@@ -1,0 +1,211 @@
+"""What the switch records about each swap (llama-server stubbed): sidecar fields that
+/api/sessions lists, /metrics counters, the log lines that say why, and forget()."""
+import logging
+
+import pytest
+import responses
+
+from kvproxy import metrics
+from kvproxy.identity import Session, base_stem
+from kvproxy.llama import LlamaClient
+from kvproxy.store import SessionStore
+from kvproxy.switch import MISS, RESTORED, SlotBusy, SlotSwitch
+from tests.fake_llama import UPSTREAM, FakeLlama
+
+A = Session("A", "test", system_hash="aaaa", key="A#aaaa")
+B = Session("B", "test", system_hash="bbbb")
+DEFAULT = Session("default", "default", persistent=False)
+
+
+@pytest.fixture
+def fake(tmp_path):
+    with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
+        yield FakeLlama(mock, tmp_path)
+
+
+def make_switch(tmp_path, **kwargs):
+    kwargs.setdefault("base_snapshots", False)
+    return SlotSwitch(LlamaClient(UPSTREAM), SessionStore(tmp_path), **kwargs)
+
+
+def answer(switch, session, fake, slot_tokens=100, cache_n=0):
+    lease = switch.acquire(session)
+    fake.tokens = slot_tokens
+    switch.release(lease, {"cache_n": cache_n, "prompt_n": slot_tokens - cache_n - 1,
+                           "predicted_n": 1})
+    return lease
+
+
+def metric(name: str, **labels: str) -> float:
+    return metrics.REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+# -- save and restore ------------------------------------------------------------
+def test_save_and_restore_are_recorded_in_the_sidecar_and_metrics(tmp_path, fake):
+    switch = make_switch(tmp_path)
+    store = SessionStore(tmp_path)
+    before = {kind: (metric("kvproxy_swap_bytes_total", kind=kind),
+                     metric("kvproxy_swap_seconds_count", kind=kind)) for kind in ("save", "restore")}
+    answer(switch, A, fake, 100)
+    answer(switch, B, fake, 50)            # saves A: 100 tokens, 104 bytes
+    saved = store.read_sidecar(A.stem)
+    assert (saved["session_id"], saved["kind"], saved["system_hash"]) == ("A", "session", "aaaa")
+    assert (saved["n_tokens"], saved["n_bytes"], saved["save_ms"]) == (100, 104, 1.5)
+    assert saved["saved_at"] and saved["refused"] is None and not saved.get("restores")
+    answer(switch, A, fake, 120, cache_n=100)  # saves B, restores A
+    restored = store.read_sidecar(A.stem)
+    assert (restored["restores"], restored["restore_ms"]) == (1, 0.5)
+    assert restored["last_used_at"] >= restored["saved_at"]
+    assert metric("kvproxy_swap_bytes_total", kind="save") == before["save"][0] + 104 + 54
+    assert metric("kvproxy_swap_bytes_total", kind="restore") == before["restore"][0] + 104
+    assert metric("kvproxy_swap_seconds_count", kind="save") == before["save"][1] + 2
+    assert metric("kvproxy_swap_seconds_count", kind="restore") == before["restore"][1] + 1
+
+
+def test_without_llama_server_timings_the_measured_time_is_recorded(tmp_path, fake):
+    fake.slot_timings = False
+    switch = make_switch(tmp_path)
+    answer(switch, A, fake)
+    answer(switch, B, fake)
+    answer(switch, A, fake)
+    sidecar = SessionStore(tmp_path).read_sidecar(A.stem)
+    assert 0 <= sidecar["save_ms"] < 5000 and 0 <= sidecar["restore_ms"] < 5000
+
+
+def test_a_failed_restore_is_counted_and_logged(tmp_path, fake, caplog):
+    switch = make_switch(tmp_path)
+    answer(switch, A, fake)
+    answer(switch, B, fake)
+    fake.fail_restore = True
+    before = metric("kvproxy_restore_misses_total", reason="failed")
+    with caplog.at_level(logging.WARNING, logger="kvproxy.switch"):
+        assert switch.acquire(A).cache == MISS
+    assert metric("kvproxy_restore_misses_total", reason="failed") == before + 1
+    assert f"restore of {A.stem}.bin failed: Unable to restore slot" in caplog.text
+    assert not SessionStore(tmp_path).read_sidecar(A.stem).get("restores")
+
+
+def test_unhonoured_restores_are_logged_and_switch_off_names_the_way_back(tmp_path, fake, caplog):
+    switch = make_switch(tmp_path, restore_miss_limit=1)
+    answer(switch, A, fake, 500)
+    answer(switch, B, fake, 500)
+    with caplog.at_level(logging.WARNING, logger="kvproxy.switch"):
+        answer(switch, A, fake, 510, cache_n=0)
+    assert "restore of session A not honoured: 500 tokens restored, 0 reused (1 in a row)" \
+        in caplog.text
+    assert ("restoring switched off for this model after 1 unhonoured restores; it comes back "
+            "when the model or llama-server build changes") in caplog.text
+
+
+# -- base snapshots ----------------------------------------------------------------
+def test_base_snapshot_sidecar_and_metric(tmp_path, fake):
+    switch = make_switch(tmp_path, base_snapshots=True)
+    before = metric("kvproxy_swaps_total", kind="base")
+    answer(switch, A, fake)
+    base = SessionStore(tmp_path).read_sidecar(base_stem("aaaa"))
+    assert (base["session_id"], base["kind"], base["system_hash"]) == ("base:aaaa", "base", "aaaa")
+    assert metric("kvproxy_swaps_total", kind="base") == before + 1
+
+
+def test_a_base_is_not_saved_again_when_a_session_starts_empty(tmp_path, fake):
+    """A session that cannot use the base (its restore failed) must not overwrite it."""
+    switch = make_switch(tmp_path, base_snapshots=True)
+    answer(switch, A, fake)
+    fake.fail_restore = True
+    assert answer(switch, Session("A2", "test", system_hash="aaaa"), fake).cache == MISS
+    assert fake.actions.count(("save", f"{base_stem('aaaa')}.bin")) == 1
+
+
+# -- shutdown save -------------------------------------------------------------------
+def test_checkpoint_keeps_the_session_fields(tmp_path, fake):
+    switch = make_switch(tmp_path)
+    answer(switch, A, fake, 80)
+    assert switch.checkpoint()
+    sidecar = SessionStore(tmp_path).read_sidecar(A.stem)
+    assert (sidecar["session_id"], sidecar["kind"], sidecar["system_hash"]) == ("A", "session", "aaaa")
+
+
+def test_checkpoint_gives_up_while_the_slot_is_busy(tmp_path, fake):
+    switch = make_switch(tmp_path)
+    answer(switch, A, fake, 80)
+    lease = switch.acquire(A)
+    try:
+        assert switch.checkpoint(timeout=0.2) is False
+    finally:
+        switch.release(lease)
+    assert ("save", f"{A.stem}.bin") not in fake.actions
+
+
+def test_checkpoint_without_llama_server_says_so(tmp_path, fake, caplog):
+    switch = make_switch(tmp_path)
+    answer(switch, A, fake, 80)
+    fake.mock.replace(responses.GET, f"{UPSTREAM}/props", status=503, json={"error": "loading"})
+    with caplog.at_level(logging.WARNING, logger="kvproxy.switch"):
+        assert switch.checkpoint() is False
+    assert "could not save the active session at shutdown" in caplog.text
+
+
+# -- clear and forget ----------------------------------------------------------------
+def test_after_clear_nothing_is_saved_as_default(tmp_path, fake, caplog):
+    switch = make_switch(tmp_path)
+    answer(switch, A, fake)
+    with caplog.at_level(logging.INFO, logger="kvproxy.switch"):
+        switch.clear()
+    assert "swap to session=default source=admin" in caplog.text
+    saves = fake.actions.count(("save", f"{A.stem}.bin"))
+    answer(switch, B, fake)
+    assert [a for a, _ in fake.actions].count("save") == saves
+    assert not list(tmp_path.glob("default*"))
+
+
+def test_forget_deletes_every_file_of_the_id_and_nothing_else(tmp_path, fake):
+    switch = make_switch(tmp_path)
+    other_prompt = Session("A", "test", system_hash="cccc", key="A#cccc")
+    answer(switch, A, fake)
+    answer(switch, other_prompt, fake)
+    answer(switch, B, fake)
+    answer(switch, Session("C", "test"), fake)       # A's and B's files are all on disk
+    orphan = tmp_path / f"{Session('A', 'admin').stem}.bin"
+    orphan.write_bytes(b"ggsq")                      # a file left without its sidecar
+    assert switch.forget("A") is True
+    assert not orphan.exists()
+    left = {s["session_id"] for s in SessionStore(tmp_path).sidecars()}
+    assert "A" not in left and {"B", "C"} <= left
+    assert (tmp_path / f"{B.stem}.bin").exists()
+    assert switch.forget("A") is False
+
+
+def test_forgetting_the_active_session_empties_the_slot_and_the_state(tmp_path, fake):
+    switch = make_switch(tmp_path)
+    answer(switch, A, fake, 90)
+    assert switch.forget("A") is True
+    assert fake.actions[-1] == ("erase", None) and fake.tokens == 0
+    state = SessionStore(tmp_path).read_state()
+    assert (state["active"], state["active_key"], state["active_stem"]) == ("default", None, None)
+    assert (state["active_persistent"], state["active_system_hash"], state["slot_tokens"]) == \
+        (False, None, 0)
+    assert state["updated_at"]
+    actions = len(fake.actions)
+    assert switch.acquire(B).cache == MISS
+    assert fake.actions[actions:] == [("erase", None)], "nothing is saved for a forgotten session"
+
+
+def test_forget_is_bounded_by_the_lock(tmp_path, fake):
+    switch = make_switch(tmp_path, lock_timeout=0.2)
+    lease = switch.acquire(A)
+    try:
+        with pytest.raises(SlotBusy) as busy:
+            switch.forget("A")
+    finally:
+        switch.release(lease)
+    assert busy.value.retry_after == 1 and "waited 0 s" in str(busy.value)
+
+
+def test_restored_hit_then_swap_keeps_counting_hits(tmp_path, fake):
+    switch = make_switch(tmp_path)
+    answer(switch, A, fake)
+    answer(switch, B, fake)
+    assert answer(switch, A, fake, 120, cache_n=100).cache == RESTORED
+    sidecar = SessionStore(tmp_path).read_sidecar(A.stem)
+    assert (sidecar["hits"], sidecar["last_cache"], sidecar["last_cache_n"],
+            sidecar["last_prompt_n"]) == (2, "restored", 100, 19)
