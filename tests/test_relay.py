@@ -2,6 +2,7 @@
 switch: side calls, identity of streamed requests, failures that must free the slot, and
 the cached model facts."""
 import json
+import logging
 
 import pytest
 import requests
@@ -30,11 +31,13 @@ def chat(client, session, stream=False, content="hi"):
                        json={"stream": stream, "messages": [{"role": "user", "content": content}]})
 
 
-def test_embeddings_run_as_an_unsaved_side_request(client, fake, tmp_path):
+def test_embeddings_run_as_an_unsaved_side_request(client, fake, tmp_path, caplog):
     fake.mock.add(responses.POST, f"{UPSTREAM}/v1/embeddings",
                   json={"data": [{"index": 0, "embedding": [1.0, 0.0]}], "usage": {"prompt_tokens": 2}})
     assert chat(client, "talk").status_code == 200
-    reply = client.post("/api/embed", json={"model": "tiny", "input": "hello"})
+    with caplog.at_level(logging.INFO, logger="kvproxy.switch"):
+        reply = client.post("/api/embed", json={"model": "tiny", "input": "hello"})
+    assert "swap to session=side source=side-request cache=miss" in caplog.text
     assert reply.status_code == 200 and reply.json["embeddings"] == [[1.0, 0.0]]
     sent = [json.loads(c.request.body) for c in fake.mock.calls if c.request.url.endswith("/embeddings")]
     assert sent == [{"input": ["hello"], "model": "tiny.gguf"}]
