@@ -60,7 +60,7 @@ class FakeLlama:
             (self.slot_dir / filename).write_bytes(b"ggsq" + bytes(self.tokens))
             return self._json({"id_slot": 0, "filename": filename, "n_saved": self.tokens,
                                "n_written": self.tokens + 4,
-                               **({"timings": {"save_ms": 1.5}} if self.slot_timings else {})})
+                               **({"timings": {"save_ms": 1.234}} if self.slot_timings else {})})
         if action == "restore":
             path = self.slot_dir / filename
             if self.fail_restore or not path.exists():
@@ -70,7 +70,7 @@ class FakeLlama:
             self.tokens = path.stat().st_size - 4
             return self._json({"id_slot": 0, "filename": filename, "n_restored": self.tokens,
                                "n_read": self.tokens + 4,
-                               **({"timings": {"restore_ms": 0.5}} if self.slot_timings else {})})
+                               **({"timings": {"restore_ms": 0.456}} if self.slot_timings else {})})
         erased, self.tokens = self.tokens, 0
         return self._json({"id_slot": 0, "n_erased": erased})
 
