@@ -86,3 +86,30 @@ def test_the_served_name_falls_back_from_the_model_id(tmp_path, fake, entry, pro
     fake.props.update(props)
     client = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM}).test_client()
     assert client.get("/v1/models").get_json()["data"][0]["id"] == expected
+
+
+def test_every_generation_asks_llama_server_to_keep_the_prompt_in_the_slot(client, fake):
+    chat(client, "s", stream=True)
+    chat(client, "s", stream=False)
+    sent = [json.loads(c.request.body) for c in fake.mock.calls if c.request.url == CHAT]
+    assert [(b["cache_prompt"], b["id_slot"], b["stream"]) for b in sent] == \
+        [(True, 0, True), (True, 0, False)]
+
+
+def test_the_grouping_settings_reach_identity(tmp_path, fake):
+    client = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM,
+                         "anonymous_sessions": "system",
+                         "side_request_pattern": "^TASK"}).test_client()
+    body = {"messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": "TASK: name this chat"}]}
+    assert client.post("/v1/chat/completions", json=body).headers["X-KVProxy-Session"] == "side"
+    body["messages"][1]["content"] = "hello"
+    assert client.post("/v1/chat/completions", json=body).headers["X-KVProxy-Session"] \
+        .startswith("sys-")
+
+
+def test_a_call_marked_side_is_never_saved(tmp_path, fake):
+    from kvproxy.relay import ChatCall
+    relay = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM}).extensions["kvproxy.relay"]
+    session = relay.session_for(ChatCall(body={"messages": []}, side=True), stream=True)
+    assert (session.id, session.source, session.persistent) == ("side", "side-request", False)
