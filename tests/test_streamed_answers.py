@@ -127,3 +127,11 @@ def test_a_streamed_answer_verifies_the_restore(tmp_path, fake, route):
     assert scraped(client, "kvproxy_restore_misses_total", reason="not_honoured") == before + 1
     stream(client, route, "other", system=OTHER_SYSTEM)
     assert stream(client, route, "kept", text="third").headers["X-KVProxy-Cache"] == "miss"
+
+
+def test_the_anthropic_stream_ends_with_message_stop_on_the_wire(tmp_path, fake):
+    """Anthropic's SDK tolerates a stream without message_stop; other clients wait for it."""
+    reply = stream(make_app(tmp_path).test_client(), "anthropic", "wire")
+    names = [line.removeprefix("event: ") for line in reply.get_data(as_text=True).splitlines()
+             if line.startswith("event: ")]
+    assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
