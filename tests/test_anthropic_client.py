@@ -33,7 +33,9 @@ def test_create_count_tokens_and_models_with_api_key(client):
         model="claude-opus-kvproxy", max_tokens=8, system="Answer briefly.", messages=QUESTION,
         extra_body={"temperature": 0})
     message = raw.parse()
-    assert raw.headers["x-kvproxy-session"] and raw.headers["x-kvproxy-cache"]
+    # a conversation no other test has: it starts empty
+    assert raw.headers["x-kvproxy-session"].startswith("conv-")
+    assert raw.headers["x-kvproxy-cache"] == "miss"
     assert message.model == "claude-opus-kvproxy" and message.id.startswith("msg_")
     assert message.content[0].type == "text" and message.content[0].text
     assert message.stop_reason in ("end_turn", "max_tokens")
