@@ -28,6 +28,7 @@ class FakeLlama:
         self.props = copy.deepcopy(PROPS)
         self.models = copy.deepcopy(MODELS)
         self.fail_restore = False
+        self.fail_save = False
         self.slot_timings = True   # llama-server reports save_ms / restore_ms
         self.chat_timings = {"cache_n": 0, "prompt_n": 10, "predicted_n": 2}
         mock.add_callback(responses.POST, re.compile(rf"{UPSTREAM}/slots/0\?action=\w+"),
@@ -56,6 +57,9 @@ class FakeLlama:
         action = request.url.split("action=")[1]
         filename = json.loads(request.body or b"{}").get("filename")
         self.actions.append((action, filename))
+        if action == "save" and self.fail_save:
+            return self._json({"error": {"code": 500, "message": "failed to save slot",
+                                         "type": "server_error"}}, 500)
         if action == "save":
             (self.slot_dir / filename).write_bytes(b"ggsq" + bytes(self.tokens))
             return self._json({"id_slot": 0, "filename": filename, "n_saved": self.tokens,

@@ -168,3 +168,13 @@ def test_evictions_show_in_metrics(tmp_path, fake):
     assert sum(p.stat().st_size for p in tmp_path.glob("*.bin")) <= 40
     assert _sample(client, "kvproxy_evictions_total") == before[0] + len(gone)
     assert _sample(client, "kvproxy_evicted_bytes_total") == before[1] + 16 * len(gone)
+
+
+@pytest.mark.parametrize("slot,empty", [
+    ({"id": 0, "n_ctx": 8192}, True),                                 # fresh llama-server
+    ({"id": 0, "id_task": 7, "n_prompt_tokens": 0}, True),            # a task ran, then emptied
+    ({"id": 0, "id_task": 7, "n_prompt_tokens": 120}, False),
+])
+def test_what_counts_as_an_emptied_slot(slot, empty):
+    from kvproxy.switch import slot_is_empty
+    assert slot_is_empty(slot) is empty

@@ -125,6 +125,18 @@ def test_an_empty_file_restores_no_tokens(tmp_path, fake):
     assert (lease.cache, lease.restored_tokens) == (RESTORED, 0)
 
 
+def test_a_failed_save_is_logged_and_keeps_the_older_file(tmp_path, fake, caplog):
+    switch = make_switch(tmp_path)
+    answer(switch, A, fake, 100)
+    answer(switch, B, fake, 100)          # A saved: 100 tokens
+    answer(switch, A, fake, 150)          # A restored, grows to 150
+    fake.fail_save = True
+    with caplog.at_level(logging.WARNING, logger="kvproxy.switch"):
+        answer(switch, B, fake)
+    assert "could not save session A: failed to save slot" in messages(caplog)
+    assert SessionStore(tmp_path).read_sidecar(A.stem)["n_tokens"] == 100
+
+
 # -- base snapshots ----------------------------------------------------------------
 def test_base_snapshot_sidecar_and_metric(tmp_path, fake):
     switch = make_switch(tmp_path, base_snapshots=True)
