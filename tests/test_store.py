@@ -47,3 +47,10 @@ def test_delete_says_whether_anything_was_there(tmp_path):
     add(store, "s", 4)
     assert store.delete("s") is True
     assert store.delete("s") is False
+
+
+def test_eviction_goes_on_until_the_folder_fits(tmp_path):
+    store = SessionStore(tmp_path)
+    for n, stem in enumerate(("a", "b", "c")):
+        add(store, stem, 10 + n, saved_at=f"2026-01-0{n + 1}")
+    assert store.evict(12, keep=set()) == [("a", 10), ("b", 11)]
