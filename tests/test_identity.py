@@ -175,3 +175,9 @@ def test_conversation_hash_covers_the_system_prompt_and_keeps_its_hash():
                            stream=True, header_names=HEADERS)
     assert one.id != two.id
     assert one.system_hash == identity.short_hash("You are terse.")
+
+
+def test_conversation_ids_stay_the_same_across_versions():
+    """An id-less conversation finds its file again after an upgrade."""
+    messages = SYSTEM + [{"role": "user", "content": "hi"}]
+    assert resolve(messages=messages).id == "conv-11cfbddde3f23bfb"
