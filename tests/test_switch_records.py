@@ -252,3 +252,47 @@ def test_restored_hit_then_swap_keeps_counting_hits(tmp_path, fake):
     sidecar = SessionStore(tmp_path).read_sidecar(A.stem)
     assert (sidecar["hits"], sidecar["last_cache"], sidecar["last_cache_n"],
             sidecar["last_prompt_n"]) == (2, "restored", 100, 19)
+
+
+# -- what a refused file records ---------------------------------------------------------
+def test_the_fingerprint_format_stays_the_same_across_versions():
+    """Sidecars on disk hold it: another format would refuse every saved file after an upgrade."""
+    from kvproxy.switch import fingerprint
+    from tests.fake_llama import MODELS, PROPS
+    assert fingerprint(PROPS, MODELS) == {"model_path": "/models/tiny.gguf", "model_size": 1000,
+                                          "n_params": 135, "n_ctx": 8192, "build_info": "b1-test"}
+    assert fingerprint({"n_ctx": 4096}, {}) == {"model_path": None, "model_size": None,
+                                                "n_params": None, "n_ctx": 4096, "build_info": None}
+
+
+def test_a_refused_file_says_why_in_log_sidecar_and_metrics(tmp_path, fake, caplog):
+    switch = make_switch(tmp_path)
+    answer(switch, A, fake)
+    answer(switch, B, fake)
+    made_by = SessionStore(tmp_path).read_sidecar(A.stem)["made_by"]
+    fake.props["build_info"] = "b2-other"
+    before = metric("kvproxy_restore_misses_total", reason="model_mismatch")
+    with caplog.at_level(logging.WARNING, logger="kvproxy.switch"):
+        assert switch.acquire(A).cache == MISS
+    from kvproxy.switch import fingerprint
+    running = fingerprint(fake.props, fake.models)
+    assert running == {**made_by, "build_info": "b2-other"}
+    reason = f"made by {made_by}, running {running}"
+    assert f"not restoring {A.stem}.bin: {reason}" in messages(caplog)
+    sidecar = SessionStore(tmp_path).read_sidecar(A.stem)
+    assert sidecar["refused"] == reason and sidecar["refused_at"]
+    assert metric("kvproxy_restore_misses_total", reason="model_mismatch") == before + 1
+
+
+def test_a_file_whose_sidecar_never_recorded_a_save_is_not_restored(tmp_path, fake, caplog):
+    switch = make_switch(tmp_path)
+    answer(switch, A, fake)              # A's sidecar exists (its answer), but A was never saved
+    answer(switch, B, fake)
+    store = SessionStore(tmp_path)
+    store.update_sidecar(A.stem, {}, saved_at=None)
+    store.bin_path(A.stem).write_bytes(b"ggsq" + bytes(50))
+    before = metric("kvproxy_restore_misses_total", reason="model_mismatch")
+    with caplog.at_level(logging.WARNING, logger="kvproxy.switch"):
+        assert switch.acquire(A).cache == MISS
+    assert f"not restoring {A.stem}.bin: it has no sidecar saying what made it" in messages(caplog)
+    assert metric("kvproxy_restore_misses_total", reason="model_mismatch") == before
