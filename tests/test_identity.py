@@ -130,6 +130,7 @@ def test_one_client_id_with_two_system_prompts_gets_two_slot_keys():
 # -- details the mutation check found unguarded -------------------------------
 @pytest.mark.parametrize("session_id,stem", [
     ("chat-1", "chat-1-eaeb9111b1c67442"),
+    ("X-ray_", "X-ray-9597394f3e49ccfb"),
     ("Chat ABC/../x", "Chat_ABC_x-569defb6543c132a"),
     ("../../x", "x-9cdf6a50100a862e"),
     ("日本", "session-cf2abf0c5be326cb"),

@@ -296,3 +296,17 @@ def test_a_file_whose_sidecar_never_recorded_a_save_is_not_restored(tmp_path, fa
         assert switch.acquire(A).cache == MISS
     assert f"not restoring {A.stem}.bin: it has no sidecar saying what made it" in messages(caplog)
     assert metric("kvproxy_restore_misses_total", reason="model_mismatch") == before
+
+
+def test_restoring_comes_back_when_the_build_changes(tmp_path, fake):
+    switch = make_switch(tmp_path, restore_miss_limit=1)
+    answer(switch, A, fake, 500)
+    answer(switch, B, fake, 500)
+    answer(switch, A, fake, 510, cache_n=0)          # not honoured: switched off for b1-test
+    lease = switch.acquire(B)
+    switch.release(lease)
+    assert lease.cache == MISS
+    fake.props["build_info"] = "b2-new"              # another build: restoring is on again
+    answer(switch, A, fake, 500)
+    answer(switch, B, fake, 500)
+    assert switch.acquire(A).cache == RESTORED
