@@ -1,11 +1,17 @@
-"""WSGI entry point: ``gunicorn -c gunicorn.conf.py wsgi:app``."""
+"""WSGI entry point: ``gunicorn -c gunicorn.conf.py wsgi:app``.
+
+Start-up sweeps the slot folder and checks the contract with llama-server; a
+bad setting or a mismatch stops it with one line naming the fix.
+"""
 import sys
 
 from kvproxy import create_app
 from kvproxy.config import ConfigError
+from kvproxy.startup import check_at_start
 
 try:
     app = create_app()
+    check_at_start(app)
 except ConfigError as exc:
     sys.stderr.write(f"kvproxy: {exc}\n")
     sys.exit(2)
