@@ -18,6 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from . import metrics
+from .llama import LlamaClient, UpstreamError
 from .store import (PROBE_PREFIX, QUARANTINE_DIR, SIDECAR_FORMAT, TEMP_SUFFIX, SessionStore,
                     StorageError, now_iso, read_json, write_json_atomic)
 
@@ -38,6 +39,26 @@ def discard(path: Path) -> None:
         path.unlink(missing_ok=True)
     except OSError as exc:
         log.warning("could not remove %s: %s", path.name, exc)
+
+
+def checked_save(client: LlamaClient, slot_id: int, store: SessionStore,
+                 stem: str) -> tuple[dict, int] | None:
+    """Have llama-server save the slot under a temporary name, check it and rename it over
+    ``<stem>.bin``. Returns llama-server's answer and the file's size, or None when the slot
+    is empty (an empty save never replaces a file). A save that llama-server or the folder
+    cannot complete raises StorageError, the old file untouched."""
+    tmp = temp_path(store, stem)
+    try:
+        tmp.unlink(missing_ok=True)
+        answer = client.slot_action(slot_id, "save", tmp.name)
+    except (UpstreamError, OSError) as exc:
+        discard(tmp)
+        reason = exc.message if isinstance(exc, UpstreamError) else exc
+        raise StorageError(f"could not save {stem}.bin: {reason}; the previous file is kept") from exc
+    if not answer.get("n_saved"):
+        discard(tmp)
+        return None
+    return answer, commit_save(store, stem, answer)
 
 
 def commit_save(store: SessionStore, stem: str, answer: dict) -> int:
@@ -88,6 +109,15 @@ def quarantine(store: SessionStore, stem: str, reason: str) -> Path:
     write_json_atomic(folder / f"{stem}.{tag}.json", sidecar)
     store.sidecar_path(stem).unlink(missing_ok=True)
     return target
+
+
+def set_aside(store: SessionStore, stem: str, reason: str) -> str:
+    """Quarantine a file that will not be restored; says where it went, for the log."""
+    try:
+        quarantine(store, stem, reason)
+    except OSError as exc:
+        return f"it could not be moved aside ({exc})"
+    return f"moved to {QUARANTINE_DIR}/"
 
 
 # -- start-up sweep ----------------------------------------------------------

@@ -235,24 +235,16 @@ class SlotSwitch:
         protected = {stem, *keep, self.store.read_state().get("active_stem")}
         tokens = int(self.store.read_state().get("slot_tokens") or 0)
         self.budget.make_room(stem, self.budget.estimate(stem, tokens, made_by), protected)
-        tmp = disk.temp_path(self.store, stem)
         started = time.monotonic()
         try:
-            tmp.unlink(missing_ok=True)
-            answer = self.client.slot_action(self.slot_id, "save", tmp.name)
+            saved = disk.checked_save(self.client, self.slot_id, self.store, stem)
         except UpstreamUnavailable as exc:
             log.warning("could not save session %s: %s", session_id, exc)
             return None
-        except (UpstreamError, OSError) as exc:
-            disk.discard(tmp)
-            reason = exc.message if isinstance(exc, UpstreamError) else exc
-            raise StorageError(f"could not save session {session_id}: {reason}; "
-                               f"its previous file is kept") from exc
-        if not answer.get("n_saved"):
-            disk.discard(tmp)
+        if saved is None:
             log.warning("not saving session %s: the slot is empty", session_id)
             return None
-        size = disk.commit_save(self.store, stem, answer)
+        answer, size = saved
         save_ms = (answer.get("timings") or {}).get("save_ms", (time.monotonic() - started) * 1000)
         metrics.observe_swap("save", time.monotonic() - started, size)
         sidecar = self.store.update_sidecar(
@@ -273,13 +265,8 @@ class SlotSwitch:
             return None
         problem = disk.size_problem(self.store, stem, sidecar)
         if problem:
-            try:
-                disk.quarantine(self.store, stem, problem)
-                where = f"moved to {disk.QUARANTINE_DIR}/"
-            except OSError as exc:
-                where = f"could not be moved aside ({exc})"
             log.warning("not restoring %s.bin: %s; %s, the session starts fresh",
-                        stem, problem, where)
+                        stem, problem, disk.set_aside(self.store, stem, problem))
             metrics.RESTORE_MISSES.labels("bad_file").inc()
             return None
         if sidecar.get("made_by") != made_by:
