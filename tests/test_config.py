@@ -101,3 +101,18 @@ def test_start_up_prints_one_line_and_exits(env):
     (name,) = env
     assert result.returncode == 2
     assert result.stderr.startswith(f"kvproxy: {name}=") and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_make_run_refuses_a_bad_setting_before_starting_anything(tmp_path):
+    """``make run`` (kvproxy.serve) checks settings first: one line, exit 2, no llama-server."""
+    import os
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, "-m", "kvproxy.serve"], cwd=root, capture_output=True,
+                            text=True, timeout=60,
+                            env={**os.environ, "KVPROXY_SLOT_DIR": str(tmp_path / "slots"),
+                                 "KVPROXY_LOG_DIR": str(tmp_path / "log"),
+                                 "KVPROXY_MIN_FREE_GB": "inf"})
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("kvproxy: KVPROXY_MIN_FREE_GB=") and result.stderr.count("\n") == 1
