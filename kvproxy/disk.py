@@ -49,7 +49,8 @@ def checked_save(client: LlamaClient, slot_id: int, store: SessionStore,
     cannot complete raises StorageError, the old file untouched."""
     tmp = temp_path(store, stem)
     try:
-        tmp.unlink(missing_ok=True)
+        if tmp.is_file() or tmp.is_symlink():  # left by an interrupted save
+            tmp.unlink()
         answer = client.slot_action(slot_id, "save", tmp.name)
     except (UpstreamError, OSError) as exc:
         discard(tmp)
