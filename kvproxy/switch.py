@@ -232,8 +232,9 @@ class SlotSwitch:
         """Save the slot as ``<stem>.bin``: room made first, written under a temporary name,
         checked, then renamed over the old file. A disk that cannot take it raises
         StorageError with the old file untouched; llama-server out of reach gives None."""
-        protected = {stem, *keep, self.store.read_state().get("active_stem")}
-        tokens = int(self.store.read_state().get("slot_tokens") or 0)
+        state = self.store.read_state()
+        protected = {stem, *keep, state.get("active_stem")}
+        tokens = int(state.get("slot_tokens") or 0)
         self.budget.make_room(stem, self.budget.estimate(stem, tokens, made_by), protected)
         started = time.monotonic()
         try:
