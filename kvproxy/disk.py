@@ -14,13 +14,14 @@ import logging
 import os
 import shutil
 from dataclasses import dataclass
+from typing import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
 from . import metrics
 from .llama import LlamaClient, UpstreamError
 from .store import (PROBE_PREFIX, QUARANTINE_DIR, SIDECAR_FORMAT, TEMP_SUFFIX, SessionStore,
-                    StorageError, now_iso, read_json, write_json_atomic)
+                    StorageError, now_iso, read_json, write_json_atomic, write_json_beside)
 
 log = logging.getLogger("kvproxy.disk")
 
@@ -41,12 +42,12 @@ def discard(path: Path) -> None:
         log.warning("could not remove %s: %s", path.name, exc)
 
 
-def checked_save(client: LlamaClient, slot_id: int, store: SessionStore,
-                 stem: str) -> tuple[dict, int] | None:
-    """Have llama-server save the slot under a temporary name, check it and rename it over
-    ``<stem>.bin``. Returns llama-server's answer and the file's size, or None when the slot
+def checked_save(client: LlamaClient, slot_id: int, store: SessionStore, stem: str,
+                 describe: Callable[[dict, int], dict]) -> dict | None:
+    """Have llama-server save the slot under a temporary name, check it, then put it and its
+    sidecar (``describe(answer, size)``) in place. Returns the sidecar, or None when the slot
     is empty (an empty save never replaces a file). A save that llama-server or the folder
-    cannot complete raises StorageError, the old file untouched."""
+    cannot complete raises StorageError with the old file and sidecar untouched."""
     tmp = temp_path(store, stem)
     try:
         if tmp.is_file() or tmp.is_symlink():  # left by an interrupted save
@@ -59,12 +60,13 @@ def checked_save(client: LlamaClient, slot_id: int, store: SessionStore,
     if not answer.get("n_saved"):
         discard(tmp)
         return None
-    return answer, commit_save(store, stem, answer)
+    sidecar = describe(answer, checked_size(store, stem, answer))
+    install(store, stem, sidecar)
+    return sidecar
 
 
-def commit_save(store: SessionStore, stem: str, answer: dict) -> int:
-    """Check llama-server's count of bytes written against the temporary file, then
-    rename it over ``<stem>.bin``; returns the size. The old file stays on any failure."""
+def checked_size(store: SessionStore, stem: str, answer: dict) -> int:
+    """The size of the temporary file when it matches llama-server's count, else StorageError."""
     tmp = temp_path(store, stem)
     try:
         size = tmp.stat().st_size
@@ -77,13 +79,31 @@ def commit_save(store: SessionStore, stem: str, answer: dict) -> int:
         discard(tmp)
         raise StorageError(f"the save of {stem}.bin is incomplete (llama-server wrote {written} "
                            f"bytes, the file has {size}); the previous file is kept")
+    return size
+
+
+def install(store: SessionStore, stem: str, sidecar: dict) -> None:
+    """Rename the checked save over ``<stem>.bin`` and its new sidecar over the old one.
+    Everything that needs disk space happens before the first rename."""
+    tmp = temp_path(store, stem)
+    try:
+        tmp_sidecar = write_json_beside(store.sidecar_path(stem), sidecar)
+    except OSError as exc:
+        discard(tmp)
+        raise StorageError(f"cannot write the sidecar of {stem}.bin: {exc.strerror or exc}; "
+                           f"the previous file is kept") from exc
     try:
         os.replace(tmp, store.bin_path(stem))
     except OSError as exc:
         discard(tmp)
+        discard(tmp_sidecar)
         raise StorageError(f"cannot rename the save of {stem}.bin in the slot folder: "
                            f"{exc.strerror or exc}") from exc
-    return size
+    try:
+        os.replace(tmp_sidecar, store.sidecar_path(stem))
+    except OSError as exc:  # the new file stays; its size check will set it aside
+        discard(tmp_sidecar)
+        raise StorageError(f"cannot rename the sidecar of {stem}.bin: {exc.strerror or exc}") from exc
 
 
 def size_problem(store: SessionStore, stem: str, sidecar: dict) -> str | None:

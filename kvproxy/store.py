@@ -71,14 +71,24 @@ def write_json_atomic(path: Path, data: Any) -> None:
     bookkeeping that readers already tolerate losing (a missing sidecar only
     means the slot file is not restored).
     """
+    tmp = write_json_beside(path, data)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_json_beside(path: Path, data: Any) -> Path:
+    """Write JSON to a temporary file next to ``path``, for the caller to rename over it."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             json.dump(data, handle, indent=2, sort_keys=True)
-        os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return Path(tmp)
 
 
 def read_json(path: Path) -> dict | None:
@@ -124,12 +134,17 @@ class SessionStore:
                        **changes: Any) -> dict:
         """Merge ``changes`` into the sidecar, creating it from ``defaults`` if absent;
         ``count`` names a counter to add one to, in the same read and write."""
-        sidecar = self.read_sidecar(stem) or {"format": SIDECAR_FORMAT, "stem": stem,
-                                              "created_at": now_iso(), "hits": 0, **defaults}
-        sidecar.update(changes)
+        sidecar = self.merged_sidecar(stem, defaults, **changes)
         if count:
             sidecar[count] = int(sidecar.get(count) or 0) + 1
         _write_or_storage_error(self.sidecar_path(stem), sidecar)
+        return sidecar
+
+    def merged_sidecar(self, stem: str, defaults: dict, **changes: Any) -> dict:
+        """The sidecar with ``changes``, not written (a save writes it with its file)."""
+        sidecar = self.read_sidecar(stem) or {"format": SIDECAR_FORMAT, "stem": stem,
+                                              "created_at": now_iso(), "hits": 0, **defaults}
+        sidecar.update(changes)
         return sidecar
 
     def sidecars(self) -> list[dict]:

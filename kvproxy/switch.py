@@ -237,22 +237,24 @@ class SlotSwitch:
         tokens = int(state.get("slot_tokens") or 0)
         self.budget.make_room(stem, self.budget.estimate(stem, tokens, made_by), protected)
         started = time.monotonic()
+
+        def describe(answer: dict, size: int) -> dict:
+            save_ms = (answer.get("timings") or {}).get("save_ms",
+                                                        (time.monotonic() - started) * 1000)
+            metrics.observe_swap("save", time.monotonic() - started, size)
+            return self.store.merged_sidecar(
+                stem, {"session_id": session_id, "kind": kind},
+                session_id=session_id, kind=kind, system_hash=system_hash, made_by=made_by,
+                n_tokens=answer.get("n_saved"), n_bytes=answer.get("n_written"), saved_bytes=size,
+                save_ms=round(save_ms, 2), saved_at=now_iso(), refused=None)
         try:
-            saved = disk.checked_save(self.client, self.slot_id, self.store, stem)
+            sidecar = disk.checked_save(self.client, self.slot_id, self.store, stem, describe)
         except UpstreamUnavailable as exc:
             log.warning("could not save session %s: %s", session_id, exc)
             return None
-        if saved is None:
+        if sidecar is None:
             log.warning("not saving session %s: the slot is empty", session_id)
             return None
-        answer, size = saved
-        save_ms = (answer.get("timings") or {}).get("save_ms", (time.monotonic() - started) * 1000)
-        metrics.observe_swap("save", time.monotonic() - started, size)
-        sidecar = self.store.update_sidecar(
-            stem, {"session_id": session_id, "kind": kind},
-            session_id=session_id, kind=kind, system_hash=system_hash, made_by=made_by,
-            n_tokens=answer.get("n_saved"), n_bytes=answer.get("n_written"), saved_bytes=size,
-            save_ms=round(save_ms, 2), saved_at=now_iso(), refused=None)
         self.budget.trim(protected)
         return sidecar
 

@@ -89,6 +89,32 @@ def test_a_full_disk_during_a_swap_is_503_in_the_clients_format(tmp_path, fake, 
     assert not list(tmp_path.glob("*.saving.bin"))
 
 
+def test_a_sidecar_that_cannot_be_written_keeps_file_and_sidecar_together(tmp_path, fake,
+                                                                          monkeypatch):
+    """A save's new sidecar is written before its file is renamed in: a full disk at that
+    point leaves the old pair, which still restores."""
+    switch = make_switch(tmp_path)
+    turn(switch, A, fake)
+    turn(switch, B, fake)
+    turn(switch, A, fake, tokens=40)
+    good = (tmp_path / f"{A.stem}.bin").read_bytes()
+
+    def no_space(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk, "write_json_beside", no_space)
+    with pytest.raises(StorageError, match="No space left"):
+        switch.acquire(B)
+    monkeypatch.undo()
+    assert (tmp_path / f"{A.stem}.bin").read_bytes() == good
+    assert SessionStore(tmp_path).read_sidecar(A.stem)["saved_bytes"] == len(good)
+    turn(switch, A, fake, tokens=40)    # the slot still holds A: a hit
+    fake.tokens = 0
+    switch._erase()                       # llama-server lost it: A comes back from its file
+    SessionStore(tmp_path).write_state({})
+    assert turn(switch, A, fake).cache == RESTORED
+
+
 def test_an_empty_slot_never_replaces_a_saved_file(tmp_path, fake):
     switch = make_switch(tmp_path)
     turn(switch, A, fake)
