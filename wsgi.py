@@ -9,9 +9,12 @@ from kvproxy import create_app
 from kvproxy.config import ConfigError
 from kvproxy.startup import check_at_start
 
+# gunicorn's "App failed to load" exit code: the master stops instead of booting workers forever.
+APP_LOAD_ERROR = 4
+
 try:
     app = create_app()
     check_at_start(app)
 except ConfigError as exc:
     sys.stderr.write(f"kvproxy: {exc}\n")
-    sys.exit(2)
+    sys.exit(APP_LOAD_ERROR)

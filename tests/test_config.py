@@ -99,7 +99,7 @@ def test_start_up_prints_one_line_and_exits(env):
                             text=True, timeout=60,
                             env={**os.environ, "KVPROXY_UPSTREAM": "http://127.0.0.1:9", **env})
     (name,) = env
-    assert result.returncode == 2
+    assert result.returncode == 4, "gunicorn's APP_LOAD_ERROR: its master stops, not retries"
     assert result.stderr.startswith(f"kvproxy: {name}=") and result.stderr.count("\n") == 1, result.stderr
 
 
@@ -116,3 +116,15 @@ def test_make_run_refuses_a_bad_setting_before_starting_anything(tmp_path):
                                  "KVPROXY_MIN_FREE_GB": "inf"})
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.startswith("kvproxy: KVPROXY_MIN_FREE_GB=") and result.stderr.count("\n") == 1
+
+
+def test_gunicorn_stops_on_a_bad_setting_instead_of_rebooting_its_worker(tmp_path):
+    from kvproxy.processes import ProxyServer
+    proxy = ProxyServer("http://127.0.0.1:9", str(tmp_path / "slots"), log_path=str(tmp_path / "log"),
+                        env={"KVPROXY_LOCK_TIMEOUT": "nan"})
+    with pytest.raises(RuntimeError, match="exited with code 4"):
+        proxy.start(timeout=60)
+    log = (tmp_path / "log").read_text()
+    assert [line for line in log.splitlines() if line.startswith("kvproxy: ")] == [
+        "kvproxy: KVPROXY_LOCK_TIMEOUT='nan' is invalid: expected a number greater than 0 up to 86400"]
+    assert "Traceback" not in log
