@@ -45,7 +45,11 @@ def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
                         settings.restore_miss_limit, int(settings.max_disk_gb * 1024**3),
                         int(settings.min_free_gb * 1024**3))
     app.extensions["kvproxy.switch"] = switch
-    app.extensions["kvproxy.contract"] = Contract(client, switch)
+    # Its own client: the probe must not count as the last slot call of the switch's client,
+    # whose open connection vouches for what the slot holds.
+    app.extensions["kvproxy.contract"] = Contract(
+        LlamaClient(settings.upstream, settings.connect_timeout, settings.read_timeout,
+                    settings.slot_action_timeout), switch)
     app.extensions["kvproxy.relay"] = Relay(settings, client, switch)
 
     from . import admin, metrics, ops
