@@ -235,9 +235,11 @@ class DiskBudget:
         except OSError:
             return None
 
-    def entries(self, keep: set[str]) -> tuple[list[Entry], int]:
+    def entries(self, keep: set[str], sidecars: list[dict] | None = None
+                ) -> tuple[list[Entry], int]:
         """Evictable files, and the bytes of every file in the folder (kept ones included)."""
-        saved = {s["stem"]: s for s in self.store.sidecars() if s.get("saved_at")}
+        sidecars = self.store.sidecars() if sidecars is None else sidecars
+        saved = {s["stem"]: s for s in sidecars if s.get("saved_at")}
         found, total = [], 0
         paths = list(self.store.root.glob("*.bin"))
         quarantined = self.store.root / QUARANTINE_DIR
@@ -260,13 +262,14 @@ class DiskBudget:
                 found.append(Entry(path, stat.st_size, used, None, loose=True))
         return found, total
 
-    def estimate(self, stem: str, tokens: int, made_by: dict | None) -> int:
+    def estimate(self, stem: str, tokens: int, made_by: dict | None,
+                 sidecars: list[dict] | None = None) -> int:
         """Bytes a save of ``tokens`` will take: bytes per token of this session's last
         save, else the largest seen for the same model, else unknown (0)."""
         if tokens <= 0:
             return 0
         ratios: list[float] = []
-        for sidecar in self.store.sidecars():
+        for sidecar in self.store.sidecars() if sidecars is None else sidecars:
             n_tokens, n_bytes = sidecar.get("n_tokens"), sidecar.get("saved_bytes")
             if not (isinstance(n_tokens, int) and n_tokens > 0 and isinstance(n_bytes, int)):
                 continue
@@ -276,11 +279,15 @@ class DiskBudget:
                 ratios.append(n_bytes / n_tokens)
         return int(tokens * max(ratios)) if ratios else 0
 
-    def make_room(self, stem: str, incoming: int, keep: set[str]) -> None:
-        """Before a save: evict so it fits, or raise StorageError and delete nothing."""
+    def make_room(self, stem: str, tokens: int, made_by: dict | None, keep: set[str]) -> int:
+        """Before a save of ``tokens``: evict so it fits, or raise StorageError and delete
+        nothing. One scan of the sidecars serves the estimate and the plan; returns the
+        estimate."""
+        sidecars = self.store.sidecars()
+        incoming = self.estimate(stem, tokens, made_by, sidecars)
         if not self.max_bytes and not self.min_free and not incoming:
-            return
-        entries, total = self.entries(keep)
+            return incoming
+        entries, total = self.entries(keep, sidecars)
         free = self.free_bytes()
         victims, fits = plan_eviction(entries, total=total, incoming=incoming,
                                       replacing=self.store.bin_bytes(stem), free=free,
@@ -291,6 +298,7 @@ class DiskBudget:
                 f"the save needs about {incoming / MB:.0f} MB and KVPROXY_MIN_FREE_GB keeps "
                 f"{self.min_free / GB:g} GB free")
         self._delete(victims, "to make room for a save")
+        return incoming
 
     def trim(self, keep: set[str]) -> None:
         """After a save: back within the folder bound if the estimate was short."""

@@ -235,7 +235,7 @@ class SlotSwitch:
         state = self.store.read_state()
         protected = {stem, *keep, state.get("active_stem")}
         tokens = int(state.get("slot_tokens") or 0)
-        self.budget.make_room(stem, self.budget.estimate(stem, tokens, made_by), protected)
+        estimate = self.budget.make_room(stem, tokens, made_by, protected)
         started = time.monotonic()
 
         def describe(answer: dict, size: int) -> dict:
@@ -255,7 +255,8 @@ class SlotSwitch:
         if sidecar is None:
             log.warning("not saving session %s: the slot is empty", session_id)
             return None
-        self.budget.trim(protected)
+        if sidecar["saved_bytes"] > estimate:  # bigger than room was made for
+            self.budget.trim(protected)
         return sidecar
 
     def _restorable(self, stem: str, made_by: dict) -> dict | None:
