@@ -1,11 +1,20 @@
-"""WSGI entry point: ``gunicorn -c gunicorn.conf.py wsgi:app``."""
+"""WSGI entry point: ``gunicorn -c gunicorn.conf.py wsgi:app``.
+
+Start-up sweeps the slot folder and checks the contract with llama-server; a
+bad setting or a mismatch stops it with one line naming the fix.
+"""
 import sys
 
 from kvproxy import create_app
 from kvproxy.config import ConfigError
+from kvproxy.startup import check_at_start
+
+# gunicorn's "App failed to load" exit code: the master stops instead of booting workers forever.
+APP_LOAD_ERROR = 4
 
 try:
     app = create_app()
+    check_at_start(app)
 except ConfigError as exc:
     sys.stderr.write(f"kvproxy: {exc}\n")
-    sys.exit(2)
+    sys.exit(APP_LOAD_ERROR)

@@ -7,9 +7,10 @@ from typing import Any, Mapping
 from flask import Flask
 from flask_smorest import Api
 
-from .config import Settings, load_settings
+from .config import Settings, check_slot_dir, load_settings
 from .llama import LlamaClient
 from .relay import Relay
+from .startup import Contract
 from .store import SessionStore
 from .switch import SlotSwitch
 
@@ -36,12 +37,19 @@ def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
     app.json.sort_keys = False
     app.json.compact = True
 
+    check_slot_dir(settings.slot_dir)
     client = LlamaClient(settings.upstream, settings.connect_timeout, settings.read_timeout,
                          settings.slot_action_timeout)
     switch = SlotSwitch(client, SessionStore(settings.slot_dir), settings.slot_id,
                         settings.lock_timeout, settings.base_snapshots,
-                        settings.restore_miss_limit, int(settings.max_disk_gb * 1024**3))
+                        settings.restore_miss_limit, int(settings.max_disk_gb * 1024**3),
+                        int(settings.min_free_gb * 1024**3))
     app.extensions["kvproxy.switch"] = switch
+    # Its own client: the probe must not count as the last slot call of the switch's client,
+    # whose open connection vouches for what the slot holds.
+    app.extensions["kvproxy.contract"] = Contract(
+        LlamaClient(settings.upstream, settings.connect_timeout, settings.read_timeout,
+                    settings.slot_action_timeout), switch)
     app.extensions["kvproxy.relay"] = Relay(settings, client, switch)
 
     from . import admin, metrics, ops

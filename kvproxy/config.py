@@ -7,9 +7,11 @@ keeps the two in step.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import socket
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -24,25 +26,26 @@ def _url(value: str) -> str:
     return value.rstrip("/")
 
 
-def _positive_float(value: str) -> float:
-    number = float(value)
-    if number <= 0:
-        raise ValueError("expected a number greater than 0")
-    return number
+def _number(low: float, high: float, *, whole: bool = False, above_low: bool = False
+            ) -> Callable[[str], float | int]:
+    """A finite number in ``[low, high]`` (``(low, high]`` with ``above_low``)."""
+    def parse(value: str) -> float | int:
+        try:
+            number = int(value) if whole else float(value)
+        except ValueError:
+            number = math.nan
+        if not math.isfinite(number) or number > high or number < low or \
+                (above_low and number == low):
+            kind = "a whole number" if whole else "a number"
+            lower = f"greater than {low:g}" if above_low else f"from {low:g}"
+            raise ValueError(f"expected {kind} {lower} up to {high:g}")
+        return number
+    return parse
 
 
-def _non_negative_int(value: str) -> int:
-    number = int(value)
-    if number < 0:
-        raise ValueError("expected a whole number of 0 or more")
-    return number
-
-
-def _non_negative_float(value: str) -> float:
-    number = float(value)
-    if number < 0:
-        raise ValueError("expected a number of 0 or more")
-    return number
+DAY = 86400.0
+_timeout = _number(0, DAY, above_low=True)   # seconds; threading refuses huge bounds
+_gigabytes = _number(0, 1e6)                  # up to a petabyte
 
 
 def _bool(value: str) -> bool:
@@ -106,20 +109,20 @@ SETTINGS: tuple[Setting, ...] = (
             "Base URL of llama-server."),
     Setting("slot_dir", "/var/cache/llama-slots", str,
             "Folder of slot files: the same folder as llama-server's --slot-save-path."),
-    Setting("slot_id", "0", _non_negative_int,
+    Setting("slot_id", "0", _number(0, 4095, whole=True),
             "The llama-server slot kvproxy manages (run llama-server with -np 1)."),
     Setting("admin_token", "", str,
             "When set, the /api/sessions endpoints need 'Authorization: Bearer <token>'."),
     Setting("node_name", "", _node_name,
             "Name of this machine, sent in the X-KVProxy-Node header of every reply (several "
             "machines behind one balancer); empty: the host name."),
-    Setting("lock_timeout", "300", _positive_float,
+    Setting("lock_timeout", "300", _timeout,
             "Seconds a request may wait for the slot before it gets 503 with Retry-After."),
-    Setting("connect_timeout", "5", _positive_float,
+    Setting("connect_timeout", "5", _timeout,
             "Seconds to wait for a connection to llama-server."),
-    Setting("read_timeout", "600", _positive_float,
+    Setting("read_timeout", "600", _timeout,
             "Seconds llama-server may stay silent during one request (prefill of a long prompt included)."),
-    Setting("slot_action_timeout", "300", _positive_float,
+    Setting("slot_action_timeout", "300", _timeout,
             "Seconds a save, restore or erase may take."),
     Setting("session_headers",
             "X-Session-Id,X-Conversation-Id,Session-Id,Conversation-Id,"
@@ -134,12 +137,16 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("side_request_pattern", r"^### Task:", _regex,
             "Regular expression: a non-streaming request whose only user message matches it is a side "
             "request (OpenWebUI titles, tags, follow-ups) and never overwrites a conversation's file."),
-    Setting("restore_miss_limit", "2", _non_negative_int,
+    Setting("restore_miss_limit", "2", _number(0, 1000, whole=True),
             "Restores in a row that llama-server does not honour before restoring is switched off for "
             "that model (0: never switch off)."),
-    Setting("max_disk_gb", "100", _non_negative_float,
-            "Upper bound on the slot folder's size; past it the least recently used slot files "
-            "are deleted (0: no bound)."),
+    Setting("max_disk_gb", "100", _gigabytes,
+            "Upper bound on the slot folder's size; before a save the least recently used slot files "
+            "are deleted to keep it (0: no bound)."),
+    Setting("min_free_gb", "1", _gigabytes,
+            "Free space kept on the slot folder's filesystem: before a save, least recently used "
+            "slot files are deleted to keep it; when even that cannot, the swap is refused with 503 "
+            "and nothing is written (0: only refuse a save that does not fit at all)."),
     Setting("model_name", "", str,
             "Name under which the model is listed; empty: the GGUF file name of llama-server's model."),
     Setting("model_tag", "latest", str,
@@ -184,6 +191,22 @@ def load_settings(environ: Mapping[str, str] | None = None,
     if overrides:
         raise ConfigError("unknown settings: " + ", ".join(sorted(overrides)))
     return Settings(values)
+
+
+def check_slot_dir(path: str) -> None:
+    """The slot folder exists (created if needed) and kvproxy can write in it, else ConfigError.
+
+    Writes a file rather than asking ``os.access``, which says yes to root on a
+    read-only filesystem.
+    """
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path, prefix=".kvproxy-write-check."):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"KVPROXY_SLOT_DIR={path!r} cannot be used: {exc.strerror or exc} "
+                          "(create it, or point KVPROXY_SLOT_DIR at a folder kvproxy can write)"
+                          ) from None
 
 
 def markdown_table() -> str:

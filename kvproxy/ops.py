@@ -19,7 +19,8 @@ def name_the_node(response: Response) -> Response:
 
 @blueprint.get("/health")
 def health() -> Response:
-    """200 with llama-server's state when it answers, 503 otherwise."""
+    """200 with llama-server's state when it answers, 503 otherwise, or while the start-up
+    check finds that kvproxy and llama-server disagree (the reason is in ``error``)."""
     client = current_app.extensions["kvproxy.relay"].client
     try:
         upstream = client.health()
@@ -28,7 +29,15 @@ def health() -> Response:
                             "error": str(exc)})
         response.status_code = 503
         return response
-    return jsonify({"status": "ok", "upstream": client.base_url, "llama_server": upstream})
+    contract = current_app.extensions["kvproxy.contract"]
+    problem = contract.current_problem()
+    if problem:
+        response = jsonify({"status": "misconfigured", "upstream": client.base_url,
+                            "error": problem, "llama_server": upstream})
+        response.status_code = 503
+        return response
+    return jsonify({"status": "ok", "upstream": client.base_url, "llama_server": upstream,
+                    "startup_check": "passed" if contract.passed else "pending"})
 
 
 @blueprint.get("/metrics")

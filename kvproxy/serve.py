@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from .config import ConfigError, check_slot_dir, load_settings
 from .processes import LlamaServer, ProxyServer
 
 
@@ -19,11 +20,22 @@ def main() -> int:
     llama_port = int(os.environ.get("LLAMA_PORT", "8080"))
     slot_dir = os.path.abspath(os.environ.get("KVPROXY_SLOT_DIR", "var/slots"))
     log_dir = Path(os.environ.get("KVPROXY_LOG_DIR", "var/log"))
+    try:  # a bad setting stops here with one line, before llama-server spends time loading
+        load_settings({**os.environ, "KVPROXY_SLOT_DIR": slot_dir})
+        check_slot_dir(slot_dir)
+    except ConfigError as exc:
+        print(f"kvproxy: {exc}", file=sys.stderr, flush=True)
+        return 2
     log_dir.mkdir(parents=True, exist_ok=True)
 
     print(f"kvproxy: starting llama-server on port {llama_port} (slots in {slot_dir})", flush=True)
     llama = LlamaServer(slot_dir, port=llama_port, log_path=str(log_dir / "llama-server.log"))
-    llama.start()
+    try:
+        llama.start()
+    except (OSError, RuntimeError, TimeoutError) as exc:
+        print(f"kvproxy: llama-server did not start ({exc}); see {log_dir}/llama-server.log",
+              file=sys.stderr, flush=True)
+        return 1
     proxy = ProxyServer(llama.url, slot_dir, port=port)
 
     stopping = False
@@ -35,7 +47,12 @@ def main() -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
-        proxy.start()
+        try:
+            proxy.start()
+        except (OSError, RuntimeError, TimeoutError) as exc:
+            # Its own one-line reason (a bad setting, a failed start-up check) is printed above.
+            print(f"kvproxy: did not start ({exc})", file=sys.stderr, flush=True)
+            return 1
         print(f"kvproxy: ready. llama-server {llama.url}, proxy http://127.0.0.1:{port}\n"
               f"  OpenWebUI (Ollama API):  OLLAMA_BASE_URL=http://127.0.0.1:{port}\n"
               f"  OpenAI clients:          base_url=http://127.0.0.1:{port}/v1\n"

@@ -4,6 +4,9 @@ Each session or base snapshot is ``<stem>.bin`` (written by llama-server)
 plus ``<stem>.json`` (written here, atomically: temp file, then rename).
 A small state file remembers which session the slot holds, so a restarted
 proxy, or a second worker, knows what to save before the next swap.
+
+Sidecars carry a format number; ``migrate_sidecar`` lifts every older format
+to the current one step by step, so files saved by an older kvproxy still load.
 """
 from __future__ import annotations
 
@@ -14,9 +17,47 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-SIDECAR_FORMAT = 1
+SIDECAR_FORMAT = 2
 STATE_FILE = ".kvproxy-state.json"
 LOCK_FILE = ".kvproxy.lock"
+TEMP_SUFFIX = ".saving.bin"     # a save in progress: <stem>.saving.bin
+PROBE_PREFIX = "probe."         # the start-up check's probe file: probe.<hex>.bin
+QUARANTINE_DIR = "quarantine"   # files that cannot be trusted, moved aside
+
+
+class StorageError(RuntimeError):
+    """The slot folder cannot take a save: disk full, folder unwritable, a short write.
+
+    Clients get 503 with Retry-After; nothing already on disk was changed.
+    """
+
+    retry_after = 30
+
+
+def _v1_to_v2(sidecar: dict) -> dict:
+    """Format 2 records the size of the file as checked on disk (``saved_bytes``).
+    Format 1 recorded only llama-server's own count (``n_bytes``): take that as the
+    expected size, so a truncated old file is caught by the same check."""
+    if sidecar.get("saved_at") and sidecar.get("n_bytes"):
+        sidecar["saved_bytes"] = int(sidecar["n_bytes"])
+    return sidecar
+
+
+MIGRATIONS = {1: _v1_to_v2}  # format n -> format n + 1
+
+
+def migrate_sidecar(data: dict | None) -> dict | None:
+    """The sidecar in the current format; None for anything that is not a sidecar
+    (the state file) or comes from a newer kvproxy."""
+    if not data or not isinstance(data.get("format"), int) or "stem" not in data:
+        return None
+    while data["format"] < SIDECAR_FORMAT:
+        step = MIGRATIONS.get(data["format"])
+        if step is None:
+            return None
+        data = step(dict(data))
+        data["format"] += 1
+    return data if data["format"] == SIDECAR_FORMAT else None
 
 
 def now_iso() -> str:
@@ -30,14 +71,24 @@ def write_json_atomic(path: Path, data: Any) -> None:
     bookkeeping that readers already tolerate losing (a missing sidecar only
     means the slot file is not restored).
     """
+    tmp = write_json_beside(path, data)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_json_beside(path: Path, data: Any) -> Path:
+    """Write JSON to a temporary file next to ``path``, for the caller to rename over it."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             json.dump(data, handle, indent=2, sort_keys=True)
-        os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return Path(tmp)
 
 
 def read_json(path: Path) -> dict | None:
@@ -77,26 +128,31 @@ class SessionStore:
 
     # -- sidecars ----------------------------------------------------------
     def read_sidecar(self, stem: str) -> dict | None:
-        return read_json(self.sidecar_path(stem))
+        return migrate_sidecar(read_json(self.sidecar_path(stem)))
 
     def update_sidecar(self, stem: str, defaults: dict, count: str | None = None,
                        **changes: Any) -> dict:
         """Merge ``changes`` into the sidecar, creating it from ``defaults`` if absent;
         ``count`` names a counter to add one to, in the same read and write."""
+        sidecar = self.merged_sidecar(stem, defaults, **changes)
+        if count:
+            sidecar[count] = int(sidecar.get(count) or 0) + 1
+        _write_or_storage_error(self.sidecar_path(stem), sidecar)
+        return sidecar
+
+    def merged_sidecar(self, stem: str, defaults: dict, **changes: Any) -> dict:
+        """The sidecar with ``changes``, not written (a save writes it with its file)."""
         sidecar = self.read_sidecar(stem) or {"format": SIDECAR_FORMAT, "stem": stem,
                                               "created_at": now_iso(), "hits": 0, **defaults}
         sidecar.update(changes)
-        if count:
-            sidecar[count] = int(sidecar.get(count) or 0) + 1
-        write_json_atomic(self.sidecar_path(stem), sidecar)
         return sidecar
 
     def sidecars(self) -> list[dict]:
         """Every sidecar in the folder, with the real size of its slot file."""
         found = []
         for path in sorted(self.root.glob("*.json")):
-            sidecar = read_json(path)
-            if sidecar and sidecar.get("format") == SIDECAR_FORMAT:
+            sidecar = migrate_sidecar(read_json(path))
+            if sidecar:
                 sidecar["file_bytes"] = self.bin_bytes(path.stem)
                 found.append(sidecar)
         return found
@@ -112,31 +168,16 @@ class SessionStore:
                 pass
         return removed
 
-    def evict(self, max_bytes: int, keep: set[str]) -> list[tuple[str, int]]:
-        """Delete least recently used slot files until the folder fits ``max_bytes``.
-
-        Files in ``keep`` (the one the slot holds, the one just written) stay.
-        Returns the ``(stem, bytes)`` of what was deleted.
-        """
-        entries = []
-        for sidecar in self.sidecars():
-            used = sidecar.get("last_used_at") or sidecar.get("saved_at") or ""
-            entries.append((used, sidecar["stem"], sidecar["file_bytes"]))
-        total = sum(size for _, _, size in entries)
-        evicted = []
-        for _, stem, size in sorted(entries):
-            if total <= max_bytes:
-                break
-            if stem in keep or not size:
-                continue
-            self.delete(stem)
-            total -= size
-            evicted.append((stem, size))
-        return evicted
-
     # -- proxy state -------------------------------------------------------
     def read_state(self) -> dict:
         return read_json(self.root / STATE_FILE) or {}
 
     def write_state(self, state: dict) -> None:
-        write_json_atomic(self.root / STATE_FILE, state)
+        _write_or_storage_error(self.root / STATE_FILE, state)
+
+
+def _write_or_storage_error(path: Path, data: Any) -> None:
+    try:
+        write_json_atomic(path, data)
+    except OSError as exc:
+        raise StorageError(f"cannot write {path.name} in the slot folder: {exc.strerror or exc}") from exc

@@ -8,19 +8,20 @@ Nothing here knows a client wire format.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from urllib.parse import quote
-from typing import Any
+from typing import Any, Iterator
 
 import filelock
 
-from . import metrics
+from . import disk, metrics
 from .identity import DEFAULT_SESSION, Session, base_stem
 from .llama import LlamaClient, UpstreamError, UpstreamUnavailable
-from .store import SessionStore, now_iso
+from .store import SessionStore, StorageError, now_iso
 
 log = logging.getLogger("kvproxy.switch")
 
@@ -91,7 +92,7 @@ class SlotSwitch:
 
     def __init__(self, client: LlamaClient, store: SessionStore, slot_id: int = 0,
                  lock_timeout: float = 300, base_snapshots: bool = True,
-                 restore_miss_limit: int = 2, max_disk_bytes: int = 0):
+                 restore_miss_limit: int = 2, max_disk_bytes: int = 0, min_free_bytes: int = 0):
         self.client = client
         self.store = store
         self.slot_id = slot_id
@@ -99,6 +100,7 @@ class SlotSwitch:
         self.base_snapshots = base_snapshots
         self.restore_miss_limit = restore_miss_limit
         self.max_disk_bytes = max_disk_bytes
+        self.budget = disk.DiskBudget(store, max_disk_bytes, min_free_bytes)
         self._thread_lock = threading.Lock()
         self._file_lock = filelock.FileLock(str(store.lock_path), thread_local=False)
 
@@ -135,6 +137,27 @@ class SlotSwitch:
         self._file_lock.release()
         self._thread_lock.release()
 
+    @contextlib.contextmanager
+    def holding(self, timeout: float) -> Iterator[bool]:
+        """The slot, for kvproxy's own housekeeping (start-up sweep and checks): yields
+        False, holding nothing, when it is not free within ``timeout`` seconds."""
+        started = time.monotonic()
+        if not self._thread_lock.acquire(timeout=timeout):
+            yield False
+            return
+        try:
+            try:
+                self._file_lock.acquire(timeout=max(0.0, timeout - (time.monotonic() - started)))
+            except filelock.Timeout:
+                yield False
+                return
+            try:
+                yield True
+            finally:
+                self._file_lock.release()
+        finally:
+            self._thread_lock.release()
+
     def release(self, lease: Lease, timings: dict | None = None) -> None:
         """Record what the request showed about the cache, then free the slot. Idempotent."""
         unlock, lease._release = lease._release, None
@@ -162,8 +185,9 @@ class SlotSwitch:
         made_by = self.current_made_by()
         if state.get("active_persistent") and state.get("active") and not lost:
             self._save(state["active"], state["active_stem"], made_by, kind="session",
-                       system_hash=state.get("active_system_hash"))
+                       system_hash=state.get("active_system_hash"), keep=incoming_stems(session))
         restoring_off = fingerprint_key(made_by) in state.get("restore_disabled", {})
+        self._mark_slot_unknown(state)
         cache, restored, restored_stem = self._load(session, made_by, restoring_off)
         self.store.write_state({**state, "active": session.id, "active_key": session.key,
                                 "active_stem": session.stem,
@@ -196,32 +220,44 @@ class SlotSwitch:
                 return slot_is_empty(slot)
         return False
 
+    def _mark_slot_unknown(self, state: dict) -> None:
+        """Before the slot changes, the state file stops naming what it held: if the swap
+        fails half-way, the next request restores instead of trusting the slot."""
+        self.store.write_state({**state, "active": None, "active_key": None, "active_stem": None,
+                                "active_persistent": False, "active_system_hash": None,
+                                "slot_tokens": 0, "updated_at": now_iso()})
+
     def _save(self, session_id: str, stem: str, made_by: dict, kind: str,
-              system_hash: str | None) -> dict | None:
+              system_hash: str | None, keep: set[str] = frozenset()) -> dict | None:
+        """Save the slot as ``<stem>.bin``: room made first, written under a temporary name,
+        checked, then renamed over the old file. A disk that cannot take it raises
+        StorageError with the old file untouched; llama-server out of reach gives None."""
+        state = self.store.read_state()
+        protected = {stem, *keep, state.get("active_stem")}
+        tokens = int(state.get("slot_tokens") or 0)
+        estimate = self.budget.make_room(stem, tokens, made_by, protected)
         started = time.monotonic()
+
+        def describe(answer: dict, size: int) -> dict:
+            save_ms = (answer.get("timings") or {}).get("save_ms",
+                                                        (time.monotonic() - started) * 1000)
+            metrics.observe_swap("save", time.monotonic() - started, size)
+            return self.store.merged_sidecar(
+                stem, {"session_id": session_id, "kind": kind},
+                session_id=session_id, kind=kind, system_hash=system_hash, made_by=made_by,
+                n_tokens=answer.get("n_saved"), n_bytes=answer.get("n_written"), saved_bytes=size,
+                save_ms=round(save_ms, 2), saved_at=now_iso(), refused=None)
         try:
-            answer = self.client.slot_action(self.slot_id, "save", f"{stem}.bin")
-        except (UpstreamError, UpstreamUnavailable) as exc:
+            sidecar = disk.checked_save(self.client, self.slot_id, self.store, stem, describe)
+        except UpstreamUnavailable as exc:
             log.warning("could not save session %s: %s", session_id, exc)
             return None
-        save_ms = (answer.get("timings") or {}).get("save_ms", (time.monotonic() - started) * 1000)
-        metrics.observe_swap("save", time.monotonic() - started, answer.get("n_written", 0))
-        sidecar = self.store.update_sidecar(
-            stem, {"session_id": session_id, "kind": kind},
-            session_id=session_id, kind=kind, system_hash=system_hash, made_by=made_by,
-            n_tokens=answer.get("n_saved"), n_bytes=answer.get("n_written"),
-            save_ms=round(save_ms, 2), saved_at=now_iso(), refused=None)
-        self._evict(keep={stem})
+        if sidecar is None:
+            log.warning("not saving session %s: the slot is empty", session_id)
+            return None
+        if sidecar["saved_bytes"] > estimate:  # bigger than room was made for
+            self.budget.trim(protected)
         return sidecar
-
-    def _evict(self, keep: set[str]) -> None:
-        """Keep the slot folder within its bound, oldest files first."""
-        if not self.max_disk_bytes:
-            return
-        keep = keep | {self.store.read_state().get("active_stem")}
-        for stem, size in self.store.evict(self.max_disk_bytes, keep):
-            log.info("evicted %s.bin (%d bytes): the slot folder is over its bound", stem, size)
-            metrics.observe_eviction(size)
 
     def _restorable(self, stem: str, made_by: dict) -> dict | None:
         """The sidecar of a file that may be restored into this llama-server, else None."""
@@ -230,6 +266,12 @@ class SlotSwitch:
         sidecar = self.store.read_sidecar(stem)
         if not sidecar or not sidecar.get("saved_at"):
             log.warning("not restoring %s.bin: it has no sidecar saying what made it", stem)
+            return None
+        problem = disk.size_problem(self.store, stem, sidecar)
+        if problem:
+            log.warning("not restoring %s.bin: %s; %s, the session starts fresh",
+                        stem, problem, disk.set_aside(self.store, stem, problem))
+            metrics.RESTORE_MISSES.labels("bad_file").inc()
             return None
         if sidecar.get("made_by") != made_by:
             reason = f"made by {sidecar.get('made_by')}, running {made_by}"
@@ -298,7 +340,7 @@ class SlotSwitch:
                 return False
             return self._save(state["active"], state["active_stem"], self.current_made_by(),
                               kind="session", system_hash=state.get("active_system_hash")) is not None
-        except (UpstreamError, UpstreamUnavailable) as exc:
+        except (UpstreamError, UpstreamUnavailable, StorageError) as exc:
             log.warning("could not save the active session at shutdown: %s", exc)
             return False
         finally:
@@ -375,6 +417,14 @@ class SlotSwitch:
             state.setdefault("restore_disabled", {})[key] = now_iso()
             log.error("restoring switched off for this model after %d unhonoured restores; "
                       "it comes back when the model or llama-server build changes", misses[key])
+
+
+def incoming_stems(session: Session) -> set[str]:
+    """Files a swap to ``session`` may restore: eviction must not delete them."""
+    stems = {session.stem}
+    if session.system_hash:
+        stems.add(base_stem(session.system_hash))
+    return stems
 
 
 def slot_is_empty(slot: dict) -> bool:

@@ -30,6 +30,9 @@ class FakeLlama:
         self.fail_restore = False
         self.fail_save = False
         self.slot_timings = True   # llama-server reports save_ms / restore_ms
+        self.save_fault: str | None = None  # "short": a short file behind a success; "fail": 500
+        self.on_save = None                 # called with the file name before a save writes
+        self.saving_off = False             # as llama-server without --slot-save-path
         self.chat_timings = {"cache_n": 0, "prompt_n": 10, "predicted_n": 2}
         mock.add_callback(responses.POST, re.compile(rf"{UPSTREAM}/slots/0\?action=\w+"),
                           callback=self._slot)
@@ -60,8 +63,18 @@ class FakeLlama:
         if action == "save" and self.fail_save:
             return self._json({"error": {"code": 500, "message": "failed to save slot",
                                          "type": "server_error"}}, 500)
+        if self.saving_off:
+            return self._json({"error": {"code": 501, "type": "not_supported_error",
+                                         "message": "This server does not support slots action. "
+                                                    "Start it with `--slot-save-path`"}}, 501)
         if action == "save":
-            (self.slot_dir / filename).write_bytes(b"ggsq" + bytes(self.tokens))
+            if self.on_save:
+                self.on_save(filename)
+            if self.save_fault == "fail":
+                return self._json({"error": {"code": 500, "message": "Unable to save slot",
+                                             "type": "server_error"}}, 500)
+            size = self.tokens + 4 if self.save_fault != "short" else 3
+            (self.slot_dir / filename).write_bytes((b"ggsq" + bytes(self.tokens))[:size])
             return self._json({"id_slot": 0, "filename": filename, "n_saved": self.tokens,
                                "n_written": self.tokens + 4,
                                **({"timings": {"save_ms": 1.234}} if self.slot_timings else {})})

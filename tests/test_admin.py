@@ -59,7 +59,7 @@ def test_listing_delete_and_clear(app_and_fake, tmp_path):
 
     chat(client, "b")
     assert client.post("/api/sessions/clear", headers=AUTH).get_json()["session_id"] == "default"
-    assert fake.actions[-2:] == [("save", f"{Session('b', 't').stem}.bin"), ("erase", None)]
+    assert fake.actions[-2:] == [("save", f"{Session('b', 't').stem}.saving.bin"), ("erase", None)]
     assert client.get("/api/sessions/current", headers=AUTH).get_json()["session_id"] == "default"
 
 

@@ -121,8 +121,10 @@ def test_restore_that_llama_server_does_not_honour_is_detected(stack):
     post_chat(stack, one, {"X-Session-Id": "honest"})
     # Put the other conversation's tokens behind "swapped"'s sidecar: the restore succeeds,
     # and the answer then reuses nothing, as on models whose restores are not honoured.
-    shutil.copy(stack.slot_dir / _saved(stack, "honest")["file"],
-                stack.slot_dir / _saved(stack, "swapped")["file"])
+    target = stack.slot_dir / _saved(stack, "swapped")["file"]
+    shutil.copy(stack.slot_dir / _saved(stack, "honest")["file"], target)
+    sidecar = json.loads(target.with_suffix(".json").read_text())  # the size check passes
+    target.with_suffix(".json").write_text(json.dumps({**sidecar, "saved_bytes": target.stat().st_size}))
     reply = post_chat(stack, two, {"X-Session-Id": "swapped"})
     prompt, cached = usage_of(reply)
     assert reply.headers["X-KVProxy-Cache"] == "restored" and cached < 0.1 * prompt

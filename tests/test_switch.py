@@ -48,10 +48,10 @@ def test_switch_saves_old_and_restores_new(tmp_path, fake):
     switch = make_switch(tmp_path, base_snapshots=False)
     turn(switch, A, fake)
     turn(switch, B, fake)
-    assert fake.actions[1:] == [("save", f"{A.stem}.bin"), ("erase", None)]
+    assert fake.actions[1:] == [("save", f"{A.stem}.saving.bin"), ("erase", None)]
     lease = turn(switch, A, fake)
     assert lease.cache == RESTORED and lease.restored_tokens == 12
-    assert fake.actions[3:] == [("save", f"{B.stem}.bin"), ("restore", f"{A.stem}.bin")]
+    assert fake.actions[3:] == [("save", f"{B.stem}.saving.bin"), ("restore", f"{A.stem}.bin")]
     sidecar = SessionStore(tmp_path).read_sidecar(A.stem)
     assert sidecar["session_id"] == "A" and sidecar["n_tokens"] == 12
     assert sidecar["made_by"]["model_path"] == "/models/tiny.gguf" and sidecar["hits"] == 2
@@ -98,11 +98,11 @@ def test_base_snapshot_is_made_once_and_used_by_new_sessions(tmp_path, fake):
     one = Session("one", "test", system_hash="cafe")
     two = Session("two", "test", system_hash="cafe")
     turn(switch, one, fake)
-    assert fake.actions[-1] == ("save", f"{base_stem('cafe')}.bin")
+    assert fake.actions[-1] == ("save", f"{base_stem('cafe')}.saving.bin")
     lease = turn(switch, two, fake)
     assert lease.cache == BASE
-    assert fake.actions[-2:] == [("save", f"{one.stem}.bin"), ("restore", f"{base_stem('cafe')}.bin")]
-    assert sum(1 for a in fake.actions if a == ("save", f"{base_stem('cafe')}.bin")) == 1
+    assert fake.actions[-2:] == [("save", f"{one.stem}.saving.bin"), ("restore", f"{base_stem('cafe')}.bin")]
+    assert sum(1 for a in fake.actions if a == ("save", f"{base_stem('cafe')}.saving.bin")) == 1
 
 
 def test_llama_server_restart_is_noticed(tmp_path, fake):

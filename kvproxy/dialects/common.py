@@ -8,6 +8,7 @@ from flask import Response, current_app, g, request
 
 from ..llama import UpstreamError, UpstreamUnavailable
 from ..relay import ChatCall, Relay
+from ..store import StorageError
 from ..switch import SlotBusy
 
 log = logging.getLogger("kvproxy.dialects")
@@ -44,6 +45,8 @@ def failure(exc: Exception) -> Failure:
         return exc.status, exc.message, {}
     if isinstance(exc, SlotBusy):
         return 503, str(exc), {"Retry-After": str(exc.retry_after)}
+    if isinstance(exc, StorageError):
+        return 503, f"kvproxy cannot use its slot folder: {exc}", {"Retry-After": str(exc.retry_after)}
     if isinstance(exc, UpstreamUnavailable):
         return 502, f"{exc}; check that llama-server is running and KVPROXY_UPSTREAM points at it", {}
     if isinstance(exc, UpstreamError):
@@ -51,7 +54,7 @@ def failure(exc: Exception) -> Failure:
     raise exc
 
 
-HANDLED = (BadRequest, SlotBusy, UpstreamUnavailable, UpstreamError)
+HANDLED = (BadRequest, SlotBusy, StorageError, UpstreamUnavailable, UpstreamError)
 
 
 def hold_slot_until_closed(response: Response, close: Callable[[], None]) -> None:

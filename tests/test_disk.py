@@ -1,0 +1,306 @@
+"""The disk side against a stubbed llama-server: checked saves, quarantine, sweep, budget."""
+import errno
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import responses
+
+from kvproxy import create_app, disk, store as store_module
+from kvproxy.disk import Entry, plan_eviction
+from kvproxy.identity import Session, base_stem
+from kvproxy.llama import LlamaClient
+from kvproxy.store import SIDECAR_FORMAT, SessionStore, StorageError
+from kvproxy.switch import BASE, MISS, RESTORED, SlotSwitch
+from tests.fake_llama import UPSTREAM, FakeLlama
+
+A = Session("A", "test", system_hash="aaaa")
+B = Session("B", "test", system_hash="bbbb")
+OPENAI_BODY = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.fixture
+def fake(tmp_path):
+    with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
+        yield FakeLlama(mock, tmp_path)
+
+
+def make_switch(tmp_path, **kwargs):
+    kwargs.setdefault("base_snapshots", False)
+    return SlotSwitch(LlamaClient(UPSTREAM), SessionStore(tmp_path), **kwargs)
+
+
+def turn(switch, session, fake, tokens=12):
+    lease = switch.acquire(session)
+    fake.tokens = tokens
+    switch.release(lease, {"cache_n": lease.restored_tokens, "prompt_n": tokens - lease.restored_tokens,
+                           "predicted_n": 0})
+    return lease
+
+
+def state_names(tmp_path):
+    return SessionStore(tmp_path).read_state().get("active")
+
+
+# -- a save never replaces a good file with a bad one -------------------------
+@pytest.mark.parametrize("fault", ["short", "fail"])
+def test_a_failed_save_keeps_the_old_file_and_the_state(tmp_path, fake, fault):
+    switch = make_switch(tmp_path)
+    turn(switch, A, fake)
+    turn(switch, B, fake)
+    turn(switch, A, fake, tokens=40)          # A's file holds 12 tokens; the slot now 40
+    good = (tmp_path / f"{A.stem}.bin").read_bytes()
+    fake.save_fault = fault
+    with pytest.raises(StorageError):
+        switch.acquire(B)
+    assert (tmp_path / f"{A.stem}.bin").read_bytes() == good
+    assert not list(tmp_path.glob("*.saving.bin")), "the temporary file is removed"
+    assert state_names(tmp_path) == "A" and fake.tokens == 40, "the slot still holds A, as the state says"
+    assert not switch._thread_lock.locked()
+    fake.save_fault = None
+    assert turn(switch, B, fake).cache == RESTORED
+
+
+def test_a_full_disk_during_a_swap_is_503_in_the_clients_format(tmp_path, fake, monkeypatch):
+    app = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM, "base_snapshots": False,
+                      "min_free_gb": 0})
+    client = app.test_client()
+    assert client.post("/v1/chat/completions", json=OPENAI_BODY,
+                       headers={"X-Session-Id": "a"}).status_code == 200
+    real_replace = os.replace
+
+    def full_disk(src, dst):
+        if str(src).endswith(".saving.bin"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(disk.os, "replace", full_disk)
+    for path, body, shape in (("/v1/chat/completions", OPENAI_BODY, "openai"),
+                              ("/v1/messages", {**OPENAI_BODY, "model": "m", "max_tokens": 5}, "anthropic"),
+                              ("/api/chat", {**OPENAI_BODY, "model": "tiny", "stream": False}, "ollama")):
+        reply = client.post(path, json=body, headers={"X-Session-Id": "b"})
+        assert reply.status_code == 503 and int(reply.headers["Retry-After"]) >= 1
+        message = {"openai": lambda j: j["error"]["message"],
+                   "anthropic": lambda j: j["error"]["message"] if j["type"] == "error" else None,
+                   "ollama": lambda j: j["error"]}[shape](reply.json)
+        assert "No space left on device" in message
+    assert state_names(tmp_path) == "a"
+    assert not list(tmp_path.glob("*.saving.bin"))
+
+
+def test_a_sidecar_that_cannot_be_written_keeps_file_and_sidecar_together(tmp_path, fake,
+                                                                          monkeypatch):
+    """A save's new sidecar is written before its file is renamed in: a full disk at that
+    point leaves the old pair, which still restores."""
+    switch = make_switch(tmp_path)
+    turn(switch, A, fake)
+    turn(switch, B, fake)
+    turn(switch, A, fake, tokens=40)
+    good = (tmp_path / f"{A.stem}.bin").read_bytes()
+
+    def no_space(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk, "write_json_beside", no_space)
+    with pytest.raises(StorageError, match="No space left"):
+        switch.acquire(B)
+    monkeypatch.undo()
+    assert (tmp_path / f"{A.stem}.bin").read_bytes() == good
+    assert SessionStore(tmp_path).read_sidecar(A.stem)["saved_bytes"] == len(good)
+    turn(switch, A, fake, tokens=40)    # the slot still holds A: a hit
+    fake.tokens = 0
+    switch._erase()                       # llama-server lost it: A comes back from its file
+    SessionStore(tmp_path).write_state({})
+    assert turn(switch, A, fake).cache == RESTORED
+
+
+def test_an_empty_slot_never_replaces_a_saved_file(tmp_path, fake):
+    switch = make_switch(tmp_path)
+    turn(switch, A, fake)
+    turn(switch, B, fake)
+    good = (tmp_path / f"{A.stem}.bin").read_bytes()
+    fake.tokens = 0
+    assert switch._save("A", A.stem, switch.current_made_by(), "session", None) is None
+    assert (tmp_path / f"{A.stem}.bin").read_bytes() == good
+
+
+def test_the_state_never_names_a_session_the_slot_does_not_hold(tmp_path, fake, monkeypatch):
+    """The state file cannot be written after the slot changed: it must not still say A."""
+    switch = make_switch(tmp_path)
+    turn(switch, A, fake)
+    real_write = store_module.write_json_atomic
+    state_writes = []
+
+    def failing_final_state_write(path, data):
+        if path.name == store_module.STATE_FILE:
+            state_writes.append(data.get("active"))
+            if data.get("active") == "B":
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(path, data)
+
+    monkeypatch.setattr(store_module, "write_json_atomic", failing_final_state_write)
+    with pytest.raises(StorageError):
+        switch.acquire(B)
+    assert fake.actions[-1] == ("erase", None), "the slot changed"
+    assert state_names(tmp_path) != "A"
+    monkeypatch.setattr(store_module, "write_json_atomic", real_write)
+    lease = switch.acquire(A)
+    assert lease.cache == RESTORED, "an unknown slot is restored, never trusted"
+    switch.release(lease)
+
+
+# -- files that do not match their sidecar -----------------------------------
+def test_a_file_whose_size_does_not_match_is_moved_aside_not_restored(tmp_path, fake, caplog):
+    switch = make_switch(tmp_path)
+    turn(switch, A, fake)
+    turn(switch, B, fake)
+    path = tmp_path / f"{A.stem}.bin"
+    path.write_bytes(path.read_bytes()[:-5])  # a torn write
+    with caplog.at_level(logging.WARNING, "kvproxy"):
+        lease = turn(switch, A, fake)
+    assert lease.cache == MISS
+    assert ("restore", f"{A.stem}.bin") not in fake.actions
+    moved = list((tmp_path / "quarantine").glob(f"{A.stem}.*.bin"))
+    assert len(moved) == 1 and not path.exists()
+    reason = json.loads(moved[0].with_suffix(".json").read_text())["quarantine_reason"]
+    assert "sidecar says 16" in reason
+    assert any("not restoring" in r.message and "sidecar says 16" in r.message for r in caplog.records)
+
+
+def test_a_format_1_sidecar_still_loads_and_restores(tmp_path, fake):
+    switch = make_switch(tmp_path)
+    turn(switch, A, fake)
+    turn(switch, B, fake)
+    sidecar_path = tmp_path / f"{A.stem}.json"
+    old = json.loads(sidecar_path.read_text())
+    old["format"] = 1
+    del old["saved_bytes"]          # format 1 knew only llama-server's n_bytes
+    sidecar_path.write_text(json.dumps(old))
+    assert SessionStore(tmp_path).read_sidecar(A.stem)["format"] == SIDECAR_FORMAT
+    assert {s["stem"] for s in SessionStore(tmp_path).sidecars()} >= {A.stem}
+    assert turn(switch, A, fake).cache == RESTORED
+    assert json.loads(sidecar_path.read_text())["format"] == SIDECAR_FORMAT
+
+
+def test_unknown_or_newer_formats_are_not_sidecars():
+    assert store_module.migrate_sidecar({"active": "x"}) is None     # the state file
+    assert store_module.migrate_sidecar({"format": 99, "stem": "x"}) is None
+    assert store_module.migrate_sidecar({"format": 1, "stem": "x", "saved_at": "t", "n_bytes": 7}
+                                        )["saved_bytes"] == 7
+
+
+# -- start-up sweep ------------------------------------------------------------
+def test_sweep_removes_leftovers_and_moves_orphans_aside(tmp_path, fake):
+    switch = make_switch(tmp_path)
+    turn(switch, A, fake)
+    turn(switch, B, fake)                       # A saved, with its sidecar
+    turn(switch, Session("C", "test"), fake)   # B saved
+    (tmp_path / f"{A.stem}.saving.bin").write_bytes(b"half")
+    (tmp_path / "probe.0123456789abcdef.bin").write_bytes(b"ggsq")
+    (tmp_path / f".{A.stem}.json.x1y2.tmp").write_text("{")
+    (tmp_path / "stray.bin").write_bytes(b"not ours")
+    (tmp_path / f"{B.stem}.bin").unlink()      # B's sidecar now claims a file that is gone
+    done = disk.sweep(SessionStore(tmp_path))
+    names = {p.name for p in tmp_path.iterdir()}
+    assert f"{A.stem}.bin" in names and f"{A.stem}.json" in names, "a good file stays"
+    assert not {f"{A.stem}.saving.bin", "probe.0123456789abcdef.bin", f".{A.stem}.json.x1y2.tmp",
+                "stray.bin", f"{B.stem}.json"} & names
+    assert list((tmp_path / "quarantine").glob("stray.*.bin"))
+    assert len(done) == 5 and any("stray.bin" in line and "no sidecar" in line for line in done)
+    assert SessionStore(tmp_path).read_sidecar(Session("C", "test").stem) is not None, \
+        "a sidecar that never had a file (only request counts) stays"
+
+
+def test_start_up_sweeps_with_the_slot_locked_and_logs(tmp_path, fake, caplog):
+    from kvproxy.startup import check_at_start
+    (tmp_path / "stray.bin").write_bytes(b"x")
+    app = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM})
+    with caplog.at_level(logging.INFO, "kvproxy"):
+        check_at_start(app)
+    assert not (tmp_path / "stray.bin").exists()
+    assert any("start-up sweep: moved stray.bin" in r.message for r in caplog.records)
+
+
+# -- the disk budget -------------------------------------------------------------
+def entry(name, size, used, loose=False):
+    return Entry(path=Path(name), size=size, used=used,
+                 stem=None if loose else name, loose=loose)
+
+
+def test_plan_evicts_loose_files_first_then_least_recently_used():
+    entries = [entry("new", 10, "3"), entry("old", 10, "1"), entry("orphan", 10, "9", loose=True)]
+    victims, fits = plan_eviction(entries, total=30, incoming=10, replacing=0, free=None,
+                                  max_bytes=25, min_free=0)
+    assert fits and [v.path.name for v in victims] == ["orphan", "old"]
+
+
+def test_plan_keeps_the_free_space_reserve_or_deletes_nothing():
+    entries = [entry("a", 10, "1"), entry("b", 10, "2")]
+    victims, fits = plan_eviction(entries, total=20, incoming=10, replacing=0, free=15,
+                                  max_bytes=0, min_free=10)
+    assert fits and [v.path.name for v in victims] == ["a"]
+    victims, fits = plan_eviction(entries, total=20, incoming=10, replacing=0, free=5,
+                                  max_bytes=0, min_free=30)
+    assert not fits and victims == []
+
+
+def test_eviction_happens_before_the_save(tmp_path, fake):
+    switch = make_switch(tmp_path, max_disk_bytes=40)
+    sizes_at_save = []
+    fake.on_save = lambda name: sizes_at_save.append(
+        sum(p.stat().st_size for p in tmp_path.glob("*.bin")) + fake.tokens + 4)
+    for name in ("s1", "s2", "s3", "s4", "s5"):  # each file is 16 bytes
+        turn(switch, Session(name, "test"), fake)
+    assert sizes_at_save and max(sizes_at_save) <= 40
+
+
+def test_orphans_count_toward_the_bound_and_go_first(tmp_path, fake):
+    switch = make_switch(tmp_path, max_disk_bytes=40)
+    turn(switch, A, fake)
+    turn(switch, B, fake)                       # A: 16 bytes
+    (tmp_path / "stray.bin").write_bytes(bytes(20))
+    turn(switch, A, fake)                       # saving B (16) would make 52 > 40
+    assert not (tmp_path / "stray.bin").exists()
+    assert (tmp_path / f"{A.stem}.bin").exists() and (tmp_path / f"{B.stem}.bin").exists()
+
+
+def test_eviction_spares_the_incoming_session_and_its_base(tmp_path, fake):
+    switch = make_switch(tmp_path, base_snapshots=True, max_disk_bytes=48)
+    old = Session("old", "test", system_hash="cafe")
+    turn(switch, old, fake)                              # base.cafe saved (16)
+    for name in ("s1", "s2"):
+        turn(switch, Session(name, "test"), fake)        # old (16), s1 (16) saved
+    # Back to old: saving s2 needs room; old's file and base.cafe are the least recently used.
+    lease = turn(switch, old, fake)
+    assert lease.cache == RESTORED
+    assert (tmp_path / f"{base_stem('cafe')}.bin").exists()
+    assert not (tmp_path / f"{Session('s1', 'test').stem}.bin").exists()
+    new = turn(switch, Session("new", "test", system_hash="cafe"), fake)
+    assert new.cache == BASE
+
+
+def test_free_space_reserve_evicts_or_refuses(tmp_path, fake, monkeypatch):
+    switch = make_switch(tmp_path, min_free_bytes=100)
+    for name in ("s1", "s2", "s3"):
+        turn(switch, Session(name, "test"), fake)        # s1, s2 saved: 16 bytes each
+    free = {"bytes": 110}
+    monkeypatch.setattr(switch.budget, "free_bytes", lambda: free["bytes"])
+    turn(switch, Session("s4", "test"), fake)           # saving s3 (~16) needs 116 free: evict s1
+    assert not (tmp_path / f"{Session('s1', 'test').stem}.bin").exists()
+    assert (tmp_path / f"{Session('s2', 'test').stem}.bin").exists()
+    free["bytes"] = 10
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(StorageError, match="KVPROXY_MIN_FREE_GB"):
+        switch.acquire(Session("s5", "test"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == before, "nothing deleted, nothing written"
+    assert state_names(tmp_path) == "s4"
+
+
+def test_estimate_uses_bytes_per_token_of_earlier_saves(tmp_path, fake):
+    switch = make_switch(tmp_path)
+    turn(switch, A, fake, tokens=96)                    # file: 100 bytes for 96 tokens
+    turn(switch, B, fake, tokens=46)
+    assert switch.budget.estimate(A.stem, 192, None) == 200
+    assert switch.budget.estimate("someone-else", 480, switch.current_made_by()) == 500
