@@ -1,5 +1,15 @@
 """The slot folder: which files eviction deletes first, and what deleting reports."""
+from kvproxy.disk import DiskBudget
 from kvproxy.store import SessionStore
+
+
+def evict(store: SessionStore, max_bytes: int, keep: set[str]) -> list[tuple[str, int]]:
+    """Trim the folder to ``max_bytes`` as after a save; what was deleted, oldest first."""
+    before = {p.stem: p.stat().st_size for p in store.root.glob("*.bin")}
+    order = sorted(before, key=lambda stem: (store.read_sidecar(stem) or {}).get("last_used_at")
+                   or (store.read_sidecar(stem) or {}).get("saved_at") or "")
+    DiskBudget(store, max_bytes).trim(keep)
+    return [(stem, before[stem]) for stem in order if not store.has_bin(stem)]
 
 
 def add(store: SessionStore, stem: str, size: int, **times: str) -> None:
@@ -12,8 +22,8 @@ def test_eviction_deletes_the_least_recently_used_first_whatever_the_names(tmp_p
     add(store, "aa", 10, saved_at="2026-01-01", last_used_at="2026-03-01")
     add(store, "zz", 10, saved_at="2026-01-02", last_used_at="2026-01-03")
     add(store, "mm", 10, saved_at="2026-01-03", last_used_at="2026-02-01")
-    assert store.evict(20, keep=set()) == [("zz", 10)]
-    assert store.evict(10, keep=set()) == [("mm", 10)]
+    assert evict(store, 20, keep=set()) == [("zz", 10)]
+    assert evict(store, 10, keep=set()) == [("mm", 10)]
     assert store.has_bin("aa") and not store.has_bin("zz") and store.read_sidecar("zz") is None
 
 
@@ -22,16 +32,16 @@ def test_a_file_never_used_counts_from_when_it_was_saved(tmp_path):
     add(store, "used", 10, saved_at="2026-01-01", last_used_at="2026-01-09")
     add(store, "saved", 10, saved_at="2026-01-05")
     add(store, "unknown", 10)                 # no times at all: the oldest
-    assert store.evict(20, keep=set()) == [("unknown", 10)]
-    assert store.evict(10, keep=set()) == [("saved", 10)]
+    assert evict(store, 20, keep=set()) == [("unknown", 10)]
+    assert evict(store, 10, keep=set()) == [("saved", 10)]
 
 
 def test_a_folder_at_its_bound_is_left_alone_and_kept_files_stay(tmp_path):
     store = SessionStore(tmp_path)
     add(store, "old", 10, saved_at="2026-01-01")
     add(store, "new", 10, saved_at="2026-01-02")
-    assert store.evict(20, keep=set()) == []
-    assert store.evict(10, keep={"old"}) == [("new", 10)]
+    assert evict(store, 20, keep=set()) == []
+    assert evict(store, 10, keep={"old"}) == [("new", 10)]
     assert store.has_bin("old")
 
 
@@ -39,7 +49,7 @@ def test_a_sidecar_without_its_file_counts_no_bytes(tmp_path):
     store = SessionStore(tmp_path)
     store.update_sidecar("lost", {"session_id": "lost"})
     assert [s["file_bytes"] for s in store.sidecars()] == [0]
-    assert store.evict(0, keep=set()) == []
+    assert evict(store, 0, keep=set()) == []
 
 
 def test_delete_says_whether_anything_was_there(tmp_path):
@@ -53,4 +63,4 @@ def test_eviction_goes_on_until_the_folder_fits(tmp_path):
     store = SessionStore(tmp_path)
     for n, stem in enumerate(("a", "b", "c")):
         add(store, stem, 10 + n, saved_at=f"2026-01-0{n + 1}")
-    assert store.evict(12, keep=set()) == [("a", 10), ("b", 11)]
+    assert evict(store, 12, keep=set()) == [("a", 10), ("b", 11)]
