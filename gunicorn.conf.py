@@ -8,7 +8,10 @@ import os
 bind = f"{os.environ.get('KVPROXY_HOST', '127.0.0.1')}:{os.environ.get('KVPROXY_PORT', '11434')}"
 workers = 1
 worker_class = "gthread"
-threads = int(os.environ.get("KVPROXY_THREADS", "16"))
+# Requests waiting for the slot hold a thread each (at most KVPROXY_MAX_WAITERS): keep
+# threads beyond them so /health, /metrics and the admin API always find one.
+threads = int(os.environ.get("KVPROXY_THREADS")
+              or int(os.environ.get("KVPROXY_MAX_WAITERS") or 16) + 16)
 timeout = 120
 graceful_timeout = 30
 keepalive = 5

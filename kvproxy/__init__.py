@@ -8,6 +8,7 @@ from flask import Flask
 from flask_smorest import Api
 
 from .config import Settings, load_settings
+from .dialects.common import FreeHeldSlots
 from .llama import LlamaClient
 from .relay import Relay
 from .store import SessionStore
@@ -40,9 +41,12 @@ def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
                          settings.slot_action_timeout)
     switch = SlotSwitch(client, SessionStore(settings.slot_dir), settings.slot_id,
                         settings.lock_timeout, settings.base_snapshots,
-                        settings.restore_miss_limit, int(settings.max_disk_gb * 1024**3))
+                        settings.restore_miss_limit, int(settings.max_disk_gb * 1024**3),
+                        max_waiters=settings.max_waiters,
+                        restore_off_minutes=settings.restore_off_minutes)
     app.extensions["kvproxy.switch"] = switch
     app.extensions["kvproxy.relay"] = Relay(settings, client, switch)
+    app.wsgi_app = FreeHeldSlots(app.wsgi_app)
 
     from . import admin, metrics, ops
     from .dialects import anthropic, errors, ollama, openai

@@ -103,6 +103,10 @@ SETTINGS: tuple[Setting, ...] = (
             "When set, the /api/sessions endpoints need 'Authorization: Bearer <token>'."),
     Setting("lock_timeout", "300", _positive_float,
             "Seconds a request may wait for the slot before it gets 503 with Retry-After."),
+    Setting("max_waiters", "16", _non_negative_int,
+            "Requests that may wait for the slot at once; past it a request gets 503 with "
+            "Retry-After at once. Keep it below the server's threads (KVPROXY_THREADS) so "
+            "/health, /metrics and the admin API always find a free thread."),
     Setting("connect_timeout", "5", _positive_float,
             "Seconds to wait for a connection to llama-server."),
     Setting("read_timeout", "600", _positive_float,
@@ -125,6 +129,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("restore_miss_limit", "2", _non_negative_int,
             "Restores in a row that llama-server does not honour before restoring is switched off for "
             "that model (0: never switch off)."),
+    Setting("restore_off_minutes", "60", _positive_float,
+            "Minutes restoring stays switched off after that; POST /api/sessions/restore-check/reset "
+            "turns it back on at once."),
     Setting("max_disk_gb", "100", _non_negative_float,
             "Upper bound on the slot folder's size; past it the least recently used slot files "
             "are deleted (0: no bound)."),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 from pathlib import Path
 
 import responses
@@ -27,6 +28,9 @@ class FakeLlama:
         self.props = dict(PROPS)
         self.fail_restore = False
         self.chat_timings = {"cache_n": 0, "prompt_n": 10, "predicted_n": 2}
+        # When set, saves write llama-server's real layout with these token ids at the head.
+        self.slot_token_ids: list[int] | None = None
+        self.prefills: list[list[int]] = []
         mock.add_callback(responses.POST, re.compile(rf"{UPSTREAM}/slots/0\?action=\w+"),
                           callback=self._slot)
         mock.add_callback(responses.GET, f"{UPSTREAM}/props", callback=lambda r: self._json(self.props))
@@ -35,6 +39,14 @@ class FakeLlama:
                           callback=lambda r: self._json([self.slot_entry()]))
         mock.add(responses.GET, f"{UPSTREAM}/health", json={"status": "ok"})
         mock.add_callback(responses.POST, f"{UPSTREAM}/v1/chat/completions", callback=self._chat)
+        mock.add_callback(responses.POST, f"{UPSTREAM}/completion", callback=self._prefill)
+
+    def _prefill(self, request):
+        body = json.loads(request.body)
+        self.prefills.append(body["prompt"])
+        self.tokens = len(body["prompt"])
+        return self._json({"content": "", "timings": {"cache_n": 0, "prompt_n": self.tokens,
+                                                      "predicted_n": 0}})
 
     def slot_entry(self) -> dict:
         """As llama-server lists it: no id_task until a task ran since start."""
@@ -52,16 +64,26 @@ class FakeLlama:
         filename = json.loads(request.body or b"{}").get("filename")
         self.actions.append((action, filename))
         if action == "save":
-            (self.slot_dir / filename).write_bytes(b"ggsq" + bytes(self.tokens))
+            if self.slot_token_ids is not None:
+                ids = self.slot_token_ids[:self.tokens]
+                data = struct.pack(f"<III{len(ids)}i", 0x67677371, 4, len(ids), *ids)
+                data += bytes(max(0, self.tokens + 4 - len(data)))
+            else:
+                data = b"ggsq" + bytes(self.tokens)
+            (self.slot_dir / filename).write_bytes(data)
             return self._json({"id_slot": 0, "filename": filename, "n_saved": self.tokens,
-                               "n_written": self.tokens + 4, "timings": {"save_ms": 1.5}})
+                               "n_written": len(data), "timings": {"save_ms": 1.5}})
         if action == "restore":
             path = self.slot_dir / filename
             if self.fail_restore or not path.exists():
                 self.tokens = 0
                 return self._json({"error": {"code": 400, "message": "Unable to restore slot",
                                              "type": "invalid_request_error"}}, 400)
-            self.tokens = path.stat().st_size - 4
+            head = path.read_bytes()
+            if head[:4] == b"ggsq":
+                self.tokens = len(head) - 4
+            else:
+                self.tokens = struct.unpack("<III", head[:12])[2]
             return self._json({"id_slot": 0, "filename": filename, "n_restored": self.tokens,
                                "n_read": self.tokens + 4, "timings": {"restore_ms": 0.5}})
         erased, self.tokens = self.tokens, 0

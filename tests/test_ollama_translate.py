@@ -321,7 +321,7 @@ def app(tmp_path, upstream):
     application = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM})
     switch = application.extensions["kvproxy.switch"]
     switch.sessions = []
-    switch.acquire = lambda session: switch.sessions.append(session) or Lease(session, "miss")
+    switch.acquire = lambda session, **_: switch.sessions.append(session) or Lease(session, "miss")
     switch.release = lambda lease, timings=None: None
     return application
 
@@ -423,7 +423,7 @@ def test_errors_have_ollama_shape_and_status(client, app, upstream):
                                          "messages": [{"role": "user", "content": "x"}]})
     assert bad.status_code == 400
 
-    def busy(session):
+    def busy(session, **_):
         raise SlotBusy(5.0, retry_after=7)
     app.extensions["kvproxy.switch"].acquire = busy
     response = client.post("/api/chat", json={"model": NAME,

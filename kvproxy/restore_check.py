@@ -1,0 +1,138 @@
+"""Whether llama-server honours restores, and switching restoring off for a while when it does not.
+
+Sliding-window and hybrid models can report a successful restore and then
+recompute the whole prompt (llama.cpp issues 26676, 28194, 25913). After a
+restore, ``timings.cache_n`` of the next answer tells. Normal traffic also
+reuses little after a restore (a new chat that diverges from a base snapshot,
+an edited message, one id spanning conversations), so a restore counts as not
+honoured only when the prompt starts with the restored tokens and llama-server
+still reused next to none of them. That comparison reads the token ids at the
+head of the slot file and tokenizes the prompt, and runs only when the cheap
+check (``cache_n``) already looks bad.
+
+The counts live in their own small file with its own short lock, so the admin
+reset never waits for the slot.
+"""
+from __future__ import annotations
+
+import struct
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import filelock
+
+from .store import now_iso, read_json, write_json_atomic
+
+CHECK_FILE = ".kvproxy-restore-check.json"
+CHECK_LOCK = ".kvproxy-restore-check.lock"
+# Honoured: the answer reused at least this share of the tokens it could reuse.
+HONOURED_SHARE = 0.1
+# Fewer tokens than this in common: not worth judging.
+MIN_TOKENS_TO_VERIFY = 64
+SLOT_FILE_MAGIC = 0x67677371  # 'ggsq', llama.cpp's LLAMA_STATE_SEQ_MAGIC
+PACKED_MARKER = -1            # LLAMA_TOKEN_NULL: server_tokens' packed format follows
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def slot_file_tokens(path: Path) -> list[int] | None:
+    """The token ids at the head of a llama-server slot file, or None when unreadable.
+
+    Layout (llama.cpp ``state_seq_save_file``): u32 magic, u32 version, u32 n,
+    then n int32; the n values are either the plain tokens or, when the first
+    is -1, server_tokens' packed form: u32 version, u32 count, the tokens.
+    """
+    try:
+        with open(path, "rb") as handle:
+            magic, _version, n_packed = struct.unpack("<III", handle.read(12))
+            if magic != SLOT_FILE_MAGIC or n_packed > 10_000_000:
+                return None
+            packed = handle.read(4 * n_packed)
+    except (OSError, struct.error):
+        return None
+    values = list(struct.unpack(f"<{len(packed) // 4}i", packed[:len(packed) // 4 * 4]))
+    if not values or values[0] != PACKED_MARKER:
+        return values
+    if len(values) < 3:
+        return None
+    count = values[2] & 0xFFFFFFFF
+    tokens = values[3:3 + count]
+    return tokens if len(tokens) == count else None
+
+
+def judge(restored: int, cache_n: int, reusable: int | None) -> str:
+    """'honoured', 'not_honoured' or 'not_comparable' for one answer after a restore.
+
+    ``reusable`` is how many leading tokens the prompt shares with the restored
+    ones (None: not worked out yet, the cheap check decides if it can).
+    """
+    if restored < MIN_TOKENS_TO_VERIFY:
+        return "not_comparable"
+    if cache_n >= restored * HONOURED_SHARE:
+        return "honoured"
+    if reusable is None or reusable < MIN_TOKENS_TO_VERIFY:
+        return "not_comparable"
+    return "honoured" if cache_n >= reusable * HONOURED_SHARE else "not_honoured"
+
+
+class RestoreCheck:
+    """Unhonoured restores in a row per llama-server (fingerprint key), and the switch-off."""
+
+    def __init__(self, root: Path, miss_limit: int, off_minutes: float):
+        self.path = Path(root) / CHECK_FILE
+        self.miss_limit = miss_limit
+        self.off_minutes = off_minutes
+        self._lock = filelock.FileLock(str(Path(root) / CHECK_LOCK), thread_local=False)
+
+    def _read(self) -> dict:
+        return read_json(self.path) or {}
+
+    def restoring_off(self, key: str) -> bool:
+        return self.status(key)["restoring_off"]
+
+    def status(self, key: str, now: datetime | None = None) -> dict:
+        """What ``GET /api/sessions/current`` shows."""
+        entry = self._read().get(key) or {}
+        off_until = entry.get("off_until")
+        now = now or datetime.now(timezone.utc)
+        off = bool(off_until) and datetime.fromisoformat(off_until) > now
+        return {"misses_in_a_row": int(entry.get("misses") or 0), "restoring_off": off,
+                "off_since": entry.get("off_since") if off else None,
+                "off_until": off_until if off else None,
+                "last_miss_at": entry.get("last_miss_at")}
+
+    def record(self, key: str, honoured: bool) -> tuple[int, bool]:
+        """Count one judged restore; returns (misses in a row, whether restoring was just switched off)."""
+        with self._lock.acquire(timeout=5):
+            data = self._read()
+            entry = data.get(key) or {}
+            if honoured:
+                if not entry.get("misses"):
+                    return 0, False
+                entry["misses"] = 0
+            else:
+                entry["misses"] = int(entry.get("misses") or 0) + 1
+                entry["last_miss_at"] = now_iso()
+            count = entry["misses"]
+            switched = bool(self.miss_limit) and not honoured and count >= self.miss_limit
+            if switched:
+                now = datetime.now(timezone.utc)
+                entry["off_since"] = now.isoformat(timespec="milliseconds")
+                entry["off_until"] = (now + timedelta(minutes=self.off_minutes)).isoformat(
+                    timespec="milliseconds")
+                entry["misses"] = 0  # after the switch-off expires, count afresh
+            data[key] = entry
+            write_json_atomic(self.path, data)
+            return count, switched
+
+    def reset(self) -> None:
+        """Forget every count and switch-off (admin call)."""
+        with self._lock.acquire(timeout=5):
+            write_json_atomic(self.path, {})
