@@ -44,7 +44,7 @@ def wait_until(condition, timeout=5.0):
 
 # -- waiting is bounded in count --------------------------------------------------
 def test_past_the_waiter_bound_a_request_gets_503_at_once(tmp_path, fake):
-    switch = make_switch(tmp_path, lock_timeout=10, max_waiters=2)
+    switch = make_switch(tmp_path, lock_timeout=3, max_waiters=2)
     held = switch.acquire(A)
     results = []
     waiters = [threading.Thread(target=lambda: results.append(switch.acquire(B))) for _ in range(2)]
@@ -65,7 +65,8 @@ def test_past_the_waiter_bound_a_request_gets_503_at_once(tmp_path, fake):
 
 
 def test_queue_full_is_503_with_retry_after_in_each_api_format(tmp_path, fake):
-    app = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM, "max_waiters": 0})
+    app = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM, "max_waiters": 0,
+                      "lock_timeout": 2})
     switch = app.extensions["kvproxy.switch"]
     client = app.test_client()
     lease = switch.acquire(A)
@@ -199,21 +200,28 @@ def test_slots_error_means_no_save_and_a_restore(tmp_path, fake):
         "a slot kvproxy cannot vouch for is never saved"
 
 
-def test_a_failed_swap_makes_the_slot_untrusted(tmp_path, fake):
+def test_a_failed_swap_makes_the_slot_untrusted(tmp_path, fake, monkeypatch):
+    """The restore of A went through, then writing its sidecar failed: the slot holds A while
+    the state file still names B with the same token count. B must not be served from it."""
     switch = make_switch(tmp_path)
     turn(switch, A, fake)
     turn(switch, B, fake)
-    fake.fail_restore = True
-    original = switch._restore
-    switch._restore = lambda stem: (_ for _ in ()).throw(OSError("disk gone"))
-    with pytest.raises(Exception):
-        switch.acquire(A)
-    switch._restore = original
-    fake.fail_restore = False
-    actions = len(fake.actions)
-    turn(switch, B, fake)
-    assert ("save", f"{A.stem}.bin") not in fake.actions[actions:]
-    assert ("save", f"{B.stem}.bin") not in fake.actions[actions:]
+    update_sidecar = switch.store.update_sidecar
+
+    def fails_after_restore(stem, defaults, count=None, **changes):
+        if count == "restores":
+            raise OSError("disk gone")
+        return update_sidecar(stem, defaults, count=count, **changes)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(switch.store, "update_sidecar", fails_after_restore)
+        with pytest.raises(Exception):
+            switch.acquire(A)
+    assert fake.actions[-1] == ("restore", f"{A.stem}.bin")
+    since = len(fake.actions)
+    lease = turn(switch, B, fake)
+    assert lease.cache == RESTORED, "not a hit on what the failed swap left"
+    assert fake.actions[since:] == [("restore", f"{B.stem}.bin")], "and nothing saved"
 
 
 # -- the restore check ------------------------------------------------------------------
@@ -222,6 +230,7 @@ def test_judge_counts_only_prompts_that_start_with_the_restored_tokens():
     assert judge(500, 0, None) == "not_comparable"      # the cheap check cannot tell
     assert judge(500, 0, 500) == "not_honoured"         # prompt starts with them, none reused
     assert judge(500, 0, 30) == "not_comparable"        # diverges early: a new chat, an edit
+    assert judge(500, 20, 100) == "honoured"            # reused most of what it could
     assert judge(40, 0, 40) == "not_comparable"         # too few to judge
 
 
