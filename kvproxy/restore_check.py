@@ -15,13 +15,17 @@ reset never waits for the slot.
 """
 from __future__ import annotations
 
+import logging
 import struct
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import filelock
 
+from .llama import UpstreamError, UpstreamUnavailable
 from .store import now_iso, read_json, write_json_atomic
+
+log = logging.getLogger("kvproxy.switch")
 
 CHECK_FILE = ".kvproxy-restore-check.json"
 CHECK_LOCK = ".kvproxy-restore-check.lock"
@@ -136,3 +140,38 @@ class RestoreCheck:
         """Forget every count and switch-off (admin call)."""
         with self._lock.acquire(timeout=5):
             write_json_atomic(self.path, {})
+
+
+def reusable_tokens(store, lease) -> int | None:
+    """Leading tokens the prompt shares with the restored file (None: cannot tell)."""
+    restored = slot_file_tokens(store.bin_path(lease.restored_stem))
+    if restored is None:
+        return None
+    try:
+        return common_prefix(restored, lease.prompt.tokens())
+    except (UpstreamError, UpstreamUnavailable, KeyError, TypeError) as exc:
+        log.info("could not tokenize the prompt to check a restore: %s", exc)
+        return None
+
+
+def verify_restore(check: RestoreCheck, store, lease, cache_n: int, key: str) -> str:
+    """Judge the answer after a restore, count it, log it; returns the verdict."""
+    verdict = judge(lease.restored_tokens, cache_n, None)
+    if verdict == "not_comparable" and lease.prompt is not None:
+        verdict = judge(lease.restored_tokens, cache_n, reusable_tokens(store, lease))
+    if verdict == "not_comparable":
+        log.info("restore of session %s: %d tokens restored, %d reused; the prompt does not "
+                 "start with them (new chat, edited message): not counted",
+                 lease.session.id, lease.restored_tokens, cache_n)
+        return verdict
+    misses, switched = check.record(key, verdict == "honoured")
+    if verdict == "honoured":
+        return verdict
+    log.warning("restore of session %s not honoured: %d tokens restored, %d reused (%d in a row)",
+                lease.session.id, lease.restored_tokens, cache_n, misses)
+    store.update_sidecar(lease.restored_stem, {}, restore_not_honoured_at=now_iso())
+    if switched:
+        log.error("restoring switched off for this model for %g minutes after %d unhonoured "
+                  "restores; POST /api/sessions/restore-check/reset turns it back on",
+                  check.off_minutes, misses)
+    return verdict

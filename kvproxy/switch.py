@@ -18,7 +18,8 @@ from typing import Any, Callable, Protocol
 from . import metrics
 from .identity import DEFAULT_SESSION, Session, base_stem
 from .llama import LlamaClient, UpstreamError, UpstreamUnavailable
-from .restore_check import RestoreCheck, common_prefix, judge, slot_file_tokens
+from .plan import EMPTY, FOREIGN, OURS, UNKNOWN, judge_slot, plan_swap
+from .restore_check import RestoreCheck, verify_restore
 from .slotlock import ClientGone, SlotBusy, SlotLock, SlotUnavailable
 from .store import SessionStore, now_iso
 
@@ -27,16 +28,11 @@ log = logging.getLogger("kvproxy.switch")
 # Cache states reported to clients in X-KVProxy-Cache.
 HIT, RESTORED, BASE, MISS = "hit", "restored", "base", "miss"
 
-# What /slots shows about the slot, against what kvproxy's last action left in it.
-OURS, EMPTY, FOREIGN, UNKNOWN = "ours", "empty", "foreign", "unknown"
-# llama-server counts the last sampled token in the slot or not, depending on how
-# the answer stopped: a count this close to the recorded one is still ours.
-TOKEN_SLACK = 1
 # A system prompt shorter than this is not worth a snapshot of its own.
 MIN_BASE_TOKENS = 32
 
 __all__ = ["SlotSwitch", "Lease", "SlotBusy", "SlotUnavailable", "ClientGone", "HIT", "RESTORED",
-           "BASE", "MISS", "header_safe"]
+           "BASE", "MISS", "header_safe", "judge_slot", "OURS", "EMPTY", "FOREIGN", "UNKNOWN"]
 
 
 class PromptView(Protocol):
@@ -165,18 +161,18 @@ class SlotSwitch:
         state = self.store.read_state()
         keep = state.get("active_key") == session.key
         view = self._slot_view(state, trust_connection=keep)
-        if keep and view == OURS:
+        plan = plan_swap(state, session.key, view)
+        if plan.hit:
             metrics.SWAPS.labels("none").inc()
             return Lease(session, HIT, prompt=prompt)
         started = time.monotonic()
         made_by = self.current_made_by()
-        if state.get("active_persistent") and state.get("active"):
-            if view == OURS:
-                self._save(state["active"], state["active_stem"], made_by, kind="session",
-                           system_hash=state.get("active_system_hash"))
-            else:
-                log.warning("not saving session %s: the slot is %s (kvproxy cannot prove it "
-                            "holds that session); its file stays as it was", state["active"], view)
+        if plan.save_active:
+            self._save(state["active"], state["active_stem"], made_by, kind="session",
+                       system_hash=state.get("active_system_hash"))
+        elif plan.keep_file:
+            log.warning("not saving session %s: the slot is %s (kvproxy cannot prove it "
+                        "holds that session); its file stays as it was", state["active"], view)
         restoring_off = self.restore_check.restoring_off(fingerprint_key(made_by))
         cache, restored, restored_stem = self._load(session, made_by, restoring_off, prompt)
         self.store.write_state({**state, "active": session.id, "active_key": session.key,
@@ -402,51 +398,6 @@ class SlotSwitch:
 
     def _verify_restore(self, lease: Lease, cache_n: int) -> None:
         """Count restores that llama-server reported but did not use (see restore_check)."""
-        verdict = judge(lease.restored_tokens, cache_n, None)
-        if verdict == "not_comparable" and lease.prompt is not None:
-            reusable = self._reusable_tokens(lease)
-            verdict = judge(lease.restored_tokens, cache_n, reusable)
-        if verdict == "not_comparable":
-            log.info("restore of session %s: %d tokens restored, %d reused; the prompt does not "
-                     "start with them (new chat, edited message): not counted",
-                     lease.session.id, lease.restored_tokens, cache_n)
-            return
         key = fingerprint_key(lease.made_by or self.current_made_by())
-        misses, switched = self.restore_check.record(key, verdict == "honoured")
-        if verdict == "honoured":
-            return
-        metrics.RESTORE_MISSES.labels("not_honoured").inc()
-        log.warning("restore of session %s not honoured: %d tokens restored, %d reused (%d in a row)",
-                    lease.session.id, lease.restored_tokens, cache_n, misses)
-        self.store.update_sidecar(lease.restored_stem, {}, restore_not_honoured_at=now_iso())
-        if switched:
-            log.error("restoring switched off for this model for %g minutes after %d unhonoured "
-                      "restores; POST /api/sessions/restore-check/reset turns it back on",
-                      self.restore_check.off_minutes, misses)
-
-    def _reusable_tokens(self, lease: Lease) -> int | None:
-        """Leading tokens the prompt shares with the restored file (None: cannot tell)."""
-        restored = slot_file_tokens(self.store.bin_path(lease.restored_stem))
-        if restored is None:
-            return None
-        try:
-            return common_prefix(restored, lease.prompt.tokens())
-        except (UpstreamError, UpstreamUnavailable, KeyError, TypeError) as exc:
-            log.info("could not tokenize the prompt to check a restore: %s", exc)
-            return None
-
-
-def judge_slot(entry: dict | None, expected: int) -> str:
-    """What a ``/slots`` entry shows, against ``expected`` tokens that kvproxy left in the slot.
-
-    ``n_prompt_tokens`` is the number of tokens the slot holds (llama.cpp
-    ``server_slot::to_json``); it is listed only once the slot ran a task, so a
-    freshly started llama-server shows none. Another client (llama-server's web
-    UI, a direct request) leaves a different count.
-    """
-    if entry is None:
-        return UNKNOWN
-    held = int(entry.get("n_prompt_tokens") or 0) if "id_task" in entry else 0
-    if held == 0:
-        return OURS if expected == 0 else EMPTY
-    return OURS if abs(held - expected) <= TOKEN_SLACK else FOREIGN
+        if verify_restore(self.restore_check, self.store, lease, cache_n, key) == "not_honoured":
+            metrics.RESTORE_MISSES.labels("not_honoured").inc()

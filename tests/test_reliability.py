@@ -15,8 +15,8 @@ from kvproxy.identity import Session
 from kvproxy.llama import LlamaClient
 from kvproxy.restore_check import judge, slot_file_tokens
 from kvproxy.store import SessionStore
-from kvproxy.switch import (EMPTY, FOREIGN, HIT, MISS, OURS, RESTORED, UNKNOWN, ClientGone,
-                            SlotBusy, SlotSwitch, fingerprint_key, judge_slot)
+from kvproxy.plan import EMPTY, FOREIGN, OURS, UNKNOWN, judge_slot, plan_swap
+from kvproxy.switch import RESTORED, ClientGone, SlotBusy, SlotSwitch, fingerprint_key
 from tests.fake_llama import UPSTREAM, FakeLlama
 from tests.test_switch import FakePrompt, turn
 
@@ -166,6 +166,18 @@ def test_judge_slot():
     assert judge_slot({"id": 0, "id_task": 3, "n_prompt_tokens": 500}, 500) == OURS
     assert judge_slot({"id": 0, "id_task": 3, "n_prompt_tokens": 501}, 500) == OURS
     assert judge_slot({"id": 0, "id_task": 9, "n_prompt_tokens": 37}, 500) == FOREIGN
+
+
+def test_plan_swap_trusts_only_a_slot_proven_to_hold_the_active_session():
+    state = {"active": "A", "active_key": "A", "active_persistent": True}
+    assert plan_swap(state, "A", OURS).hit
+    for view in (EMPTY, FOREIGN, UNKNOWN):
+        same = plan_swap(state, "A", view)
+        assert not same.hit and not same.save_active and same.keep_file
+        other = plan_swap(state, "B", view)
+        assert not other.save_active and other.keep_file
+    assert plan_swap(state, "B", OURS).save_active
+    assert not plan_swap({**state, "active_persistent": False}, "B", OURS).save_active
 
 
 def test_foreign_content_is_not_saved_over_the_file_and_the_session_is_restored(tmp_path, fake):
