@@ -131,7 +131,7 @@ class SlotSwitch:
             self.lock.release()
             if isinstance(exc, ClientGone):
                 raise
-            self._uncertain = True
+            self._mark_unknown()
             if isinstance(exc, (UpstreamError, UpstreamUnavailable, SlotUnavailable)) \
                     or not isinstance(exc, Exception):
                 raise
@@ -140,6 +140,18 @@ class SlotSwitch:
                                   "see kvproxy's log") from exc
         lease._release = self.lock.release
         return lease
+
+    def _mark_unknown(self) -> None:
+        """After a failed swap: trust nothing the slot holds until the next good swap.
+
+        Kept in memory and, when the disk allows, in the state file, so another
+        process sharing the folder does not trust the slot either.
+        """
+        self._uncertain = True
+        try:
+            self.store.write_state({**self.store.read_state(), "slot_unknown": True})
+        except Exception:  # noqa: BLE001 - the disk may be why the swap failed
+            log.warning("could not mark the slot as unknown in the state file")
 
     def release(self, lease: Lease, timings: dict | None = None) -> None:
         """Record what the request showed about the cache, then free the slot. Idempotent."""
@@ -179,7 +191,8 @@ class SlotSwitch:
                                 "active_stem": session.stem,
                                 "active_persistent": session.persistent,
                                 "active_system_hash": session.system_hash,
-                                "slot_tokens": restored, "updated_at": now_iso()})
+                                "slot_tokens": restored, "slot_unknown": False,
+                                "updated_at": now_iso()})
         self._uncertain = False
         swap_ms = (time.monotonic() - started) * 1000
         log.info("swap to session=%s source=%s cache=%s slot=%s restored_tokens=%d swap_ms=%.1f",
@@ -196,7 +209,7 @@ class SlotSwitch:
         prefill (llama-server answers from what it holds either way). A swap
         always asks: an uncertain slot must never be saved over a session's file.
         """
-        if self._uncertain:
+        if self._uncertain or state.get("slot_unknown"):
             return UNKNOWN
         expected = int(state.get("slot_tokens") or 0)
         if trust_connection and expected > 0 and self.client.same_server_as_last_slot_call():
@@ -368,7 +381,8 @@ class SlotSwitch:
                 self.store.write_state({**state, "active": DEFAULT_SESSION, "active_key": None,
                                         "active_stem": None,
                                         "active_persistent": False, "active_system_hash": None,
-                                        "slot_tokens": 0, "updated_at": now_iso()})
+                                        "slot_tokens": 0, "slot_unknown": self._uncertain,
+                                        "updated_at": now_iso()})
             removed = [self.store.delete(stem) for stem in stems]
             return any(removed)
         finally:

@@ -230,10 +230,13 @@ def test_a_failed_swap_makes_the_slot_untrusted(tmp_path, fake, monkeypatch):
         with pytest.raises(Exception):
             switch.acquire(A)
     assert fake.actions[-1] == ("restore", f"{A.stem}.bin")
+    other_process = make_switch(tmp_path)      # shares the folder, not this process's memory
+    assert other_process._slot_view(SessionStore(tmp_path).read_state()) == UNKNOWN
     since = len(fake.actions)
     lease = turn(switch, B, fake)
     assert lease.cache == RESTORED, "not a hit on what the failed swap left"
     assert fake.actions[since:] == [("restore", f"{B.stem}.bin")], "and nothing saved"
+    assert other_process._slot_view(SessionStore(tmp_path).read_state()) != UNKNOWN
 
 
 # -- the restore check ------------------------------------------------------------------

@@ -139,13 +139,14 @@ def client_still_there() -> Callable[[], bool]:
 
     def check() -> bool:
         try:
-            readable, _, _ = select.select([sock], [], [], 0)
-            if not readable:
+            poller = select.poll()  # poll, not select: any descriptor number
+            poller.register(sock, select.POLLIN)
+            if not poller.poll(0):
                 return True
             return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
         except BlockingIOError:
             return True
-        except (OSError, ValueError):  # reset, or already closed
+        except OSError:  # reset, or already closed
             return False
     return check
 
