@@ -9,7 +9,6 @@ Nothing here knows a client wire format.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from urllib.parse import quote
