@@ -115,6 +115,7 @@ def test_one_id_spanning_conversations_does_not_switch_restoring_off(stack, clie
     current = requests.get(stack.url + "/api/sessions/current", timeout=10).json()
     assert current["restore_check"]["restoring_off"] is False
     assert current["restore_check"]["misses_in_a_row"] == 0
+    assert "the prompt does not start with them" in stack.proxy_log(), "the check did run"
     _, _, headers = ask(client, system, "What is rule 2?", "multi")
     assert headers["x-kvproxy-cache"] == "restored"
 
