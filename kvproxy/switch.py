@@ -302,7 +302,10 @@ class SlotSwitch:
             tokens = prompt.system_tokens()
             if not tokens or len(tokens) < MIN_BASE_TOKENS:
                 return 0
-            self.client.prefill(tokens, self.slot_id)
+            timings = self.client.prefill(tokens, self.slot_id).get("timings") or {}
+            # Not in the answer's timings: count it here so computed tokens add up.
+            metrics.TOKENS.labels("computed").inc(int(timings.get("prompt_n") or 0))
+            metrics.TOKENS.labels("reused").inc(int(timings.get("cache_n") or 0))
         except (UpstreamError, UpstreamUnavailable) as exc:
             log.warning("no base snapshot for system prompt %s: %s", system_hash, exc)
             self._erase()
