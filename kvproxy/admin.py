@@ -46,6 +46,8 @@ class SessionSchema(ma.Schema):
         "description": "Prompt tokens llama-server reused on the last request"})
     last_prompt_n = ma.fields.Integer(allow_none=True, metadata={
         "description": "Prompt tokens llama-server computed on the last request"})
+    prefill_computed = ma.fields.Integer(allow_none=True, metadata={
+        "description": "Base snapshots: tokens computed to make it (the system prompt alone)"})
     made_by = ma.fields.Dict(allow_none=True, metadata={
         "description": "Model, context size and build that wrote the file"})
 

@@ -303,16 +303,18 @@ class SlotSwitch:
             if not tokens or len(tokens) < MIN_BASE_TOKENS:
                 return 0
             timings = self.client.prefill(tokens, self.slot_id).get("timings") or {}
-            # Not in the answer's timings: count it here so computed tokens add up.
-            metrics.TOKENS.labels("computed").inc(int(timings.get("prompt_n") or 0))
-            metrics.TOKENS.labels("reused").inc(int(timings.get("cache_n") or 0))
         except (UpstreamError, UpstreamUnavailable) as exc:
             log.warning("no base snapshot for system prompt %s: %s", system_hash, exc)
             self._erase()
             return 0
+        # Not in the answer's timings: count it here, so computed tokens add up.
+        computed = int(timings.get("prompt_n") or 0)
+        metrics.TOKENS.labels("computed").inc(computed)
+        metrics.TOKENS.labels("reused").inc(int(timings.get("cache_n") or 0))
         if self._save(f"base:{system_hash}", base_stem(system_hash), made_by, kind="base",
                       system_hash=system_hash):
             metrics.SWAPS.labels("base").inc()
+            self.store.update_sidecar(base_stem(system_hash), {}, prefill_computed=computed)
         return len(tokens)
 
     def _restore(self, stem: str) -> int | None:
