@@ -1,4 +1,4 @@
-"""Pure decisions about the slot: what /slots shows, and what a swap must do.
+"""Pure decisions about the slot: what made a slot file, what /slots shows, what a swap must do.
 
 No I/O here: the switch gathers the facts (its state file, a ``/slots``
 entry) and carries out the plan, so the rules can be read and tested alone.
@@ -50,3 +50,23 @@ def plan_swap(state: dict, session_key: str, view: str) -> SwapPlan:
         return SwapPlan(hit=True, save_active=False, keep_file=False)
     return SwapPlan(hit=False, save_active=persistent_active and view == OURS,
                     keep_file=persistent_active and view != OURS)
+
+
+def fingerprint(props: dict, models: dict) -> dict:
+    """What made a slot file: a file from anything else must not be restored."""
+    meta = {}
+    for entry in models.get("data") or []:
+        meta = entry.get("meta") or {}
+        break
+    settings = props.get("default_generation_settings") or {}
+    return {
+        "model_path": props.get("model_path"),
+        "model_size": meta.get("size"),
+        "n_params": meta.get("n_params"),
+        "n_ctx": settings.get("n_ctx") or props.get("n_ctx"),
+        "build_info": props.get("build_info"),
+    }
+
+
+def fingerprint_key(made_by: dict) -> str:
+    return "|".join(f"{k}={made_by.get(k)}" for k in sorted(made_by))

@@ -17,7 +17,8 @@ from typing import Any, Callable, Protocol
 from . import metrics
 from .identity import DEFAULT_SESSION, Session, base_stem
 from .llama import LlamaClient, UpstreamError, UpstreamUnavailable
-from .plan import EMPTY, FOREIGN, OURS, UNKNOWN, judge_slot, plan_swap
+from .plan import (EMPTY, FOREIGN, OURS, UNKNOWN, fingerprint, fingerprint_key, judge_slot,
+                   plan_swap)
 from .restore_check import RestoreCheck, verify_restore
 from .slotlock import ClientGone, SlotBusy, SlotLock, SlotUnavailable
 from .store import SessionStore, now_iso
@@ -31,7 +32,7 @@ HIT, RESTORED, BASE, MISS = "hit", "restored", "base", "miss"
 MIN_BASE_TOKENS = 32
 
 __all__ = ["SlotSwitch", "Lease", "SlotBusy", "SlotUnavailable", "ClientGone", "HIT", "RESTORED",
-           "BASE", "MISS", "header_safe", "judge_slot", "OURS", "EMPTY", "FOREIGN", "UNKNOWN"]
+           "BASE", "MISS", "header_safe", "judge_slot", "fingerprint", "fingerprint_key", "OURS", "EMPTY", "FOREIGN", "UNKNOWN"]
 
 
 class PromptView(Protocol):
@@ -65,26 +66,6 @@ def header_safe(text: str) -> str:
     if text.isascii() and text.isprintable() and "%" not in text:
         return text
     return quote(text, safe="")
-
-
-def fingerprint(props: dict, models: dict) -> dict:
-    """What made a slot file: a file from anything else must not be restored."""
-    meta = {}
-    for entry in models.get("data") or []:
-        meta = entry.get("meta") or {}
-        break
-    settings = props.get("default_generation_settings") or {}
-    return {
-        "model_path": props.get("model_path"),
-        "model_size": meta.get("size"),
-        "n_params": meta.get("n_params"),
-        "n_ctx": settings.get("n_ctx") or props.get("n_ctx"),
-        "build_info": props.get("build_info"),
-    }
-
-
-def fingerprint_key(made_by: dict) -> str:
-    return "|".join(f"{k}={made_by.get(k)}" for k in sorted(made_by))
 
 
 class SlotSwitch:
