@@ -14,7 +14,6 @@ from flask_smorest import Blueprint, abort
 
 from .llama import UpstreamError, UpstreamUnavailable
 from .slotlock import SlotUnavailable
-from .switch import fingerprint_key
 
 blueprint = Blueprint("sessions", __name__, url_prefix="/api/sessions",
                       description="Saved llama-server slot sessions")
@@ -70,8 +69,8 @@ class CurrentSchema(ma.Schema):
     file_exists = ma.fields.Boolean()
     file_bytes = ma.fields.Integer()
     session = ma.fields.Nested(SessionSchema, allow_none=True)
-    restore_check = ma.fields.Nested(RestoreCheckSchema, allow_none=True, metadata={
-        "description": "The restore check for the running model; null when llama-server is down"})
+    restore_check = ma.fields.Nested(RestoreCheckSchema, metadata={
+        "description": "The restore check (for the model it switched off, if any)"})
 
 
 class ClearedSchema(ma.Schema):
@@ -89,14 +88,9 @@ def _unavailable(exc: Exception):
     abort(503, message=str(exc), headers={"Retry-After": str(retry)})
 
 
-def _restore_check_status() -> dict | None:
-    """Never waits for the slot: reads llama-server's model facts and a small file."""
-    switch = _switch()
-    try:
-        key = fingerprint_key(current_app.extensions["kvproxy.relay"].model_key())
-    except (UpstreamError, UpstreamUnavailable):
-        return None
-    return switch.restore_check.status(key)
+def _restore_check_status() -> dict:
+    """Never waits for the slot, nor for llama-server: reads one small file."""
+    return _switch().restore_check.status(None)
 
 
 def _as_listing(sidecar: dict) -> dict:
@@ -157,7 +151,7 @@ class RestoreCheckReset(MethodView):
     def post(self):
         """Turn restoring back on and forget unhonoured restores; does not wait for the slot."""
         _switch().restore_check.reset()
-        return _restore_check_status() or {"restoring_off": False, "misses_in_a_row": 0}
+        return _restore_check_status()
 
 
 @blueprint.route("/<path:session_id>")

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Mapping
 from . import identity
 from .config import Settings
 from .llama import LlamaClient, sse_events
-from .switch import Lease, SlotSwitch, fingerprint
+from .switch import Lease, SlotSwitch
 
 MODEL_FACTS_TTL = 10.0
 
@@ -225,11 +225,6 @@ class Relay:
             facts = {"props": props, "model": entry, "upstream_id": upstream_id, "name": name}
             self._facts = (time.monotonic(), facts)
             return facts
-
-    def model_key(self) -> dict:
-        """What the switch records as a slot file's maker, from the cached model facts."""
-        facts = self.model_facts()
-        return fingerprint(facts["props"], {"data": [facts["model"]]})
 
     def count_tokens(self, body: dict) -> int:
         """Tokens of the templated prompt, counted by llama-server's own tokenizer."""

@@ -101,11 +101,21 @@ class RestoreCheck:
     def restoring_off(self, key: str) -> bool:
         return self.status(key)["restoring_off"]
 
-    def status(self, key: str, now: datetime | None = None) -> dict:
-        """What ``GET /api/sessions/current`` shows."""
-        entry = self._read().get(key) or {}
-        off_until = entry.get("off_until")
+    def status(self, key: str | None, now: datetime | None = None) -> dict:
+        """The check for one llama-server (fingerprint key), or with ``None`` for the one whose
+        state matters most (switched off, else most misses): what ``GET /api/sessions/current``
+        shows without asking llama-server anything."""
+        data = self._read()
         now = now or datetime.now(timezone.utc)
+        if key is not None:
+            return self._entry_status(data.get(key) or {}, now)
+        shown = [self._entry_status(entry, now) for entry in data.values() if isinstance(entry, dict)]
+        shown.sort(key=lambda st: (st["restoring_off"], st["misses_in_a_row"]), reverse=True)
+        return shown[0] if shown else self._entry_status({}, now)
+
+    @staticmethod
+    def _entry_status(entry: dict, now: datetime) -> dict:
+        off_until = entry.get("off_until")
         off = bool(off_until) and datetime.fromisoformat(off_until) > now
         return {"misses_in_a_row": int(entry.get("misses") or 0), "restoring_off": off,
                 "off_since": entry.get("off_since") if off else None,
