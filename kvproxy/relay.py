@@ -7,6 +7,7 @@ exchange and tells the switch what the answer's timings showed.
 """
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -115,7 +116,7 @@ class Prompt:
             self._tokens = self._client.tokenize(self.templated(), add_special=True)
         return self._tokens
 
-    def system_tokens(self) -> list[int] | None:
+    def system_tokens(self, min_tokens: int = 0) -> list[int] | None:
         """The leading tokens of the templated system prompt alone, shared with the full prompt.
 
         The system messages are templated on their own; the part of that text the
@@ -131,6 +132,8 @@ class Prompt:
             system.append(message)
         if not system or len(system) == len(messages) or "messages" not in self._call.body:
             return None
+        if len(json.dumps([m.get("content") for m in system])) < min_tokens:
+            return None  # too short to be worth a snapshot: spare the template and tokenizer
         alone = self._client.apply_template(self._chat_body(system, False))
         full = self.templated()
         shared = full[:next((i for i, (a, b) in enumerate(zip(alone, full)) if a != b),

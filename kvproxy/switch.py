@@ -40,7 +40,7 @@ class PromptView(Protocol):
 
     def tokens(self) -> list[int]: ...
 
-    def system_tokens(self) -> list[int] | None: ...
+    def system_tokens(self, min_tokens: int = 0) -> list[int] | None: ...
 
 
 @dataclass
@@ -280,7 +280,7 @@ class SlotSwitch:
         """
         system_hash = session.system_hash
         try:
-            tokens = prompt.system_tokens()
+            tokens = prompt.system_tokens(MIN_BASE_TOKENS)
             if not tokens or len(tokens) < MIN_BASE_TOKENS:
                 return 0
             timings = self.client.prefill(tokens, self.slot_id).get("timings") or {}

@@ -102,7 +102,7 @@ class FakePrompt:
     def tokens(self):
         return self._tokens
 
-    def system_tokens(self):
+    def system_tokens(self, min_tokens=0):
         return self._system
 
 
