@@ -163,8 +163,8 @@ class SlotSwitch:
             self._save(state["active"], state["active_stem"], made_by, kind="session",
                        system_hash=state.get("active_system_hash"))
         elif plan.keep_file:
-            log.warning("not saving session %s: the slot is %s (kvproxy cannot prove it "
-                        "holds that session); its file stays as it was", state["active"], view)
+            log.info("not saving session %s: the slot is %s (kvproxy cannot prove it "
+                     "holds that session); its file stays as it was", state["active"], view)
         restoring_off = self.restore_check.restoring_off(fingerprint_key(made_by))
         cache, restored, restored_stem = self._load(session, made_by, restoring_off, prompt)
         self.store.write_state({**state, "active": session.id, "active_key": session.key,

@@ -110,7 +110,7 @@ def test_one_id_spanning_conversations_does_not_switch_restoring_off(stack, clie
     llama-server reuses only the short system prompt, and that is not a failed restore."""
     system = "You are a terse assistant. Answer in one short sentence."
     for n in range(3):
-        ask(client, system, long_text(500, seed=7300 + n) + " What is rule 1?", "multi")
+        ask(client, system, long_text(300, seed=7300 + n) + " What is rule 1?", "multi")
         ask(client, None, f"Say the number {n}.", "other")          # swap away: multi is saved
     current = requests.get(stack.url + "/api/sessions/current", timeout=10).json()
     assert current["restore_check"]["restoring_off"] is False
