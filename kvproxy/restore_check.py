@@ -166,6 +166,8 @@ def reusable_tokens(store, lease) -> int | None:
 
 def verify_restore(check: RestoreCheck, store, lease, cache_n: int, key: str) -> str:
     """Judge the answer after a restore, count it, log it; returns the verdict."""
+    if lease.restored_tokens < MIN_TOKENS_TO_VERIFY:
+        return "not_comparable"
     verdict = judge(lease.restored_tokens, cache_n, None)
     if verdict == "not_comparable" and lease.prompt is not None:
         verdict = judge(lease.restored_tokens, cache_n, reusable_tokens(store, lease))
