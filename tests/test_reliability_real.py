@@ -63,6 +63,22 @@ def direct_request(stack, text="Tell me a joke about cats and dogs, please."):
     assert reply.status_code == 200
 
 
+def test_a_request_that_fails_after_taking_the_slot_does_not_keep_it(stack):
+    """The issue's reproducer through gunicorn: whatever the first answer, the next request
+    gets the slot at once instead of waiting out the lock bound."""
+    body = (b'{"model":"m","max_tokens":2,"metadata":{"user_id":"\\ud800"},'
+            b'"messages":[{"role":"user","content":"hi"}]}')
+    first = requests.post(stack.url + "/v1/messages", data=body, timeout=120,
+                          headers={"content-type": "application/json", "x-api-key": "k"})
+    assert first.status_code in (200, 400, 500), first.text
+    started = time.monotonic()
+    again = requests.post(stack.url + "/v1/messages", timeout=120, headers={"x-api-key": "k"},
+                          json={"model": "m", "max_tokens": 2,
+                                "messages": [{"role": "user", "content": "hi"}]})
+    assert again.status_code == 200, again.text
+    assert time.monotonic() - started < 50, "the slot was still held (lock bound 60 s)"
+
+
 def test_foreign_content_after_a_restart_is_not_taken_for_the_returning_session(stack, client):
     question = "Summarise rule 1."
     ask(client, SYSTEM, question, "alpha")

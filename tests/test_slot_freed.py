@@ -164,3 +164,17 @@ def test_a_failure_at_any_step_leaves_the_slot_free(tmp_path, fake, monkeypatch,
     again = client.post(path, json=body, headers=headers)
     assert again.status_code == 200, again.get_data()
     assert again.headers["X-KVProxy-Session"] == "Y"
+
+
+def test_the_reported_lone_surrogate_does_not_keep_the_slot(tmp_path, fake):
+    """The issue's reproducer: a lone surrogate in metadata.user_id once broke the reply headers
+    after the slot was taken, and every later request waited out the lock bound."""
+    app = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM, "lock_timeout": 0.5})
+    client = app.test_client()
+    body = (b'{"model":"m","max_tokens":2,"metadata":{"user_id":"\\ud800"},'
+            b'"messages":[{"role":"user","content":"hi"}]}')
+    first = client.post("/v1/messages", data=body, content_type="application/json")
+    assert first.status_code < 500 or first.get_json()["type"] == "error"
+    assert not app.extensions["kvproxy.switch"].lock.thread_lock.locked()
+    again = client.post("/v1/messages", json={"model": "m", "max_tokens": 2, "messages": MESSAGES})
+    assert again.status_code == 200
