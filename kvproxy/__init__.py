@@ -49,8 +49,9 @@ def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
     app.wsgi_app = FreeHeldSlots(app.wsgi_app)
 
     from . import admin, metrics, ops
-    from .dialects import anthropic, errors, ollama, openai
-    for blueprint in (ops.blueprint, openai.blueprint, ollama.blueprint, anthropic.blueprint):
+    from .dialects import anthropic, errors, llamacpp, ollama, openai, passthrough
+    for blueprint in (ops.blueprint, openai.blueprint, ollama.blueprint, anthropic.blueprint,
+                      llamacpp.blueprint, passthrough.blueprint):
         app.register_blueprint(blueprint)
     api = Api(app)
     api.register_blueprint(admin.blueprint)

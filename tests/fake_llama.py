@@ -11,6 +11,7 @@ import struct
 from pathlib import Path
 
 import responses
+from responses import matchers
 
 UPSTREAM = "http://llama.test"
 PROPS = {"model_path": "/models/tiny.gguf", "build_info": "b1-test", "total_slots": 1,
@@ -39,7 +40,10 @@ class FakeLlama:
                           callback=lambda r: self._json([self.slot_entry()]))
         mock.add(responses.GET, f"{UPSTREAM}/health", json={"status": "ok"})
         mock.add_callback(responses.POST, f"{UPSTREAM}/v1/chat/completions", callback=self._chat)
-        mock.add_callback(responses.POST, f"{UPSTREAM}/completion", callback=self._prefill)
+        # Only kvproxy's own prefill (n_predict 0): tests register other /completion answers.
+        mock.add_callback(responses.POST, f"{UPSTREAM}/completion", callback=self._prefill,
+                          match=[matchers.json_params_matcher({"n_predict": 0},
+                                                              strict_match=False)])
 
     def _prefill(self, request):
         body = json.loads(request.body)
