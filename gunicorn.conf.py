@@ -12,7 +12,10 @@ import os
 bind = f"{os.environ.get('KVPROXY_HOST', '127.0.0.1')}:{os.environ.get('KVPROXY_PORT', '11434')}"
 workers = 1
 worker_class = "gthread"
-threads = int(os.environ.get("KVPROXY_THREADS", "16"))
+# Requests waiting for the slot hold a thread each (at most KVPROXY_MAX_WAITERS): keep
+# threads beyond them so /health, /metrics and the admin API always find one.
+threads = int(os.environ.get("KVPROXY_THREADS")
+              or int(os.environ.get("KVPROXY_MAX_WAITERS") or 16) + 16)
 timeout = int(os.environ.get("KVPROXY_WORKER_TIMEOUT", "120"))
 graceful_timeout = int(os.environ.get("KVPROXY_GRACEFUL_TIMEOUT", "120"))
 # Longer than nginx keeps an idle upstream connection (keepalive_timeout 60s in

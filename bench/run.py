@@ -160,7 +160,8 @@ def sidecars(slot_dir: Path) -> list[dict]:
             continue
         if isinstance(data, dict) and "stem" in data:
             rows.append({k: data.get(k) for k in ("stem", "kind", "n_tokens", "n_bytes", "save_ms",
-                                                  "restore_ms", "restores", "hits", "last_cache")})
+                                                  "restore_ms", "restores", "hits", "last_cache",
+                                                  "prefill_computed")})
     return rows
 
 
@@ -221,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
             if mode.proxy:
                 result.metrics_after = scrape_metrics(mode.proxy.url)
                 result.sidecars = sidecars(mode.slot_dir)
+                # A base snapshot's system prompt is computed before the first request that
+                # needs it, outside that request's timings: add it to the workload's total.
+                result.computed_tokens += sum(int(s.get("prefill_computed") or 0)
+                                              for s in result.sidecars if s.get("kind") == "base")
             run["modes"][key] = {"label": label, "start_seconds": round(start_s, 2),
                                  "cache_ram_mib": cache_ram, "proxied": proxied}
             run["workload"][key] = dataclasses.asdict(result)

@@ -8,6 +8,7 @@ from flask import Flask
 from flask_smorest import Api
 
 from .config import Settings, check_slot_dir, load_settings
+from .dialects.common import FreeHeldSlots
 from .llama import LlamaClient
 from .relay import Relay
 from .startup import Contract
@@ -43,7 +44,9 @@ def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
     switch = SlotSwitch(client, SessionStore(settings.slot_dir), settings.slot_id,
                         settings.lock_timeout, settings.base_snapshots,
                         settings.restore_miss_limit, int(settings.max_disk_gb * 1024**3),
-                        int(settings.min_free_gb * 1024**3))
+                        int(settings.min_free_gb * 1024**3),
+                        max_waiters=settings.max_waiters,
+                        restore_off_minutes=settings.restore_off_minutes)
     app.extensions["kvproxy.switch"] = switch
     # Its own client: the probe must not count as the last slot call of the switch's client,
     # whose open connection vouches for what the slot holds.
@@ -51,6 +54,7 @@ def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
         LlamaClient(settings.upstream, settings.connect_timeout, settings.read_timeout,
                     settings.slot_action_timeout), switch)
     app.extensions["kvproxy.relay"] = Relay(settings, client, switch)
+    app.wsgi_app = FreeHeldSlots(app.wsgi_app)
 
     from . import admin, metrics, ops
     from .dialects import anthropic, errors, llamacpp, ollama, openai, passthrough

@@ -12,7 +12,8 @@ from flask import current_app, request
 from flask.views import MethodView
 from flask_smorest import Blueprint, abort
 
-from .switch import SlotBusy
+from .llama import UpstreamError, UpstreamUnavailable
+from .slotlock import SlotUnavailable
 
 blueprint = Blueprint("sessions", __name__, url_prefix="/api/sessions",
                       description="Saved llama-server slot sessions")
@@ -44,8 +45,21 @@ class SessionSchema(ma.Schema):
         "description": "Prompt tokens llama-server reused on the last request"})
     last_prompt_n = ma.fields.Integer(allow_none=True, metadata={
         "description": "Prompt tokens llama-server computed on the last request"})
+    prefill_computed = ma.fields.Integer(allow_none=True, metadata={
+        "description": "Base snapshots: tokens computed to make it (the system prompt alone)"})
     made_by = ma.fields.Dict(allow_none=True, metadata={
         "description": "Model, context size and build that wrote the file"})
+
+
+class RestoreCheckSchema(ma.Schema):
+    restoring_off = ma.fields.Boolean(metadata={
+        "description": "True while restoring is switched off for the running model"})
+    off_since = ma.fields.String(allow_none=True)
+    off_until = ma.fields.String(allow_none=True, metadata={
+        "description": "When restoring comes back on by itself (KVPROXY_RESTORE_OFF_MINUTES)"})
+    misses_in_a_row = ma.fields.Integer(metadata={
+        "description": "Restores in a row that llama-server did not honour"})
+    last_miss_at = ma.fields.String(allow_none=True)
 
 
 class CurrentSchema(ma.Schema):
@@ -55,6 +69,8 @@ class CurrentSchema(ma.Schema):
     file_exists = ma.fields.Boolean()
     file_bytes = ma.fields.Integer()
     session = ma.fields.Nested(SessionSchema, allow_none=True)
+    restore_check = ma.fields.Nested(RestoreCheckSchema, metadata={
+        "description": "The restore check (for the model it switched off, if any)"})
 
 
 class ClearedSchema(ma.Schema):
@@ -64,6 +80,17 @@ class ClearedSchema(ma.Schema):
 
 def _switch():
     return current_app.extensions["kvproxy.switch"]
+
+
+def _unavailable(exc: Exception):
+    """A slot or llama-server failure as a 503 the caller can retry."""
+    retry = getattr(exc, "retry_after", 5)
+    abort(503, message=str(exc), headers={"Retry-After": str(retry)})
+
+
+def _restore_check_status() -> dict:
+    """Never waits for the slot, nor for llama-server: reads one small file."""
+    return _switch().restore_check.status(None)
 
 
 def _as_listing(sidecar: dict) -> dict:
@@ -102,7 +129,8 @@ class Current(MethodView):
                 "file": f"{stem}.bin" if stem else None,
                 "file_exists": bool(stem) and store.has_bin(stem),
                 "file_bytes": store.bin_bytes(stem) if stem else 0,
-                "session": _as_listing(sidecar) if sidecar else None}
+                "session": _as_listing(sidecar) if sidecar else None,
+                "restore_check": _restore_check_status()}
 
 
 @blueprint.route("/clear")
@@ -112,9 +140,18 @@ class Clear(MethodView):
         """Save the active session, erase the slot and make 'default' active."""
         try:
             _switch().clear()
-        except SlotBusy as exc:
-            abort(503, message=str(exc), headers={"Retry-After": str(exc.retry_after)})
+        except (SlotUnavailable, UpstreamError, UpstreamUnavailable) as exc:
+            _unavailable(exc)
         return {"session_id": "default", "cleared": True}
+
+
+@blueprint.route("/restore-check/reset")
+class RestoreCheckReset(MethodView):
+    @blueprint.response(200, RestoreCheckSchema)
+    def post(self):
+        """Turn restoring back on and forget unhonoured restores; does not wait for the slot."""
+        _switch().restore_check.reset()
+        return _restore_check_status()
 
 
 @blueprint.route("/<path:session_id>")
@@ -124,7 +161,7 @@ class OneSession(MethodView):
         """Delete a session's slot file and sidecar; erases the slot if it holds it."""
         try:
             removed = _switch().forget(session_id)
-        except SlotBusy as exc:
-            abort(503, message=str(exc), headers={"Retry-After": str(exc.retry_after)})
+        except SlotUnavailable as exc:
+            _unavailable(exc)
         if not removed:
             abort(404, message=f"no saved session {session_id!r}")

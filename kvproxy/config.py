@@ -118,6 +118,10 @@ SETTINGS: tuple[Setting, ...] = (
             "machines behind one balancer); empty: the host name."),
     Setting("lock_timeout", "300", _timeout,
             "Seconds a request may wait for the slot before it gets 503 with Retry-After."),
+    Setting("max_waiters", "16", _number(0, 100000, whole=True),
+            "Requests that may wait for the slot at once; past it a request gets 503 with "
+            "Retry-After at once. Keep it below the server's threads (KVPROXY_THREADS) so "
+            "/health, /metrics and the admin API always find a free thread."),
     Setting("connect_timeout", "5", _timeout,
             "Seconds to wait for a connection to llama-server."),
     Setting("read_timeout", "600", _timeout,
@@ -140,6 +144,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("restore_miss_limit", "2", _number(0, 1000, whole=True),
             "Restores in a row that llama-server does not honour before restoring is switched off for "
             "that model (0: never switch off)."),
+    Setting("restore_off_minutes", "60", _number(0, 525600, above_low=True),
+            "Minutes restoring stays switched off after that; POST /api/sessions/restore-check/reset "
+            "turns it back on at once."),
     Setting("max_disk_gb", "100", _gigabytes,
             "Upper bound on the slot folder's size; before a save the least recently used slot files "
             "are deleted to keep it (0: no bound)."),

@@ -111,11 +111,18 @@ class LlamaClient:
     def slots(self) -> list[dict]:
         return self._json("GET", "/slots", read_timeout=30)
 
-    def tokenize(self, content: str) -> list[int]:
-        return self._json("POST", "/tokenize", json={"content": content})["tokens"]
+    def tokenize(self, content: str, add_special: bool = False) -> list[int]:
+        return self._json("POST", "/tokenize",
+                          json={"content": content, "add_special": add_special})["tokens"]
 
     def apply_template(self, body: dict) -> str:
         return self._json("POST", "/apply-template", json=body)["prompt"]
+
+    def prefill(self, tokens: list[int], slot_id: int) -> dict:
+        """Compute ``tokens`` into the slot without generating (a base snapshot's system prompt)."""
+        return self._json("POST", "/completion", json={
+            "prompt": tokens, "n_predict": 0, "cache_prompt": True, "id_slot": slot_id,
+            "stream": False}, slot_call=True)
 
     # -- slot actions ------------------------------------------------------
     def slot_action(self, slot_id: int, action: str, filename: str | None = None) -> dict:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -35,6 +35,11 @@ SWAP_BYTES = Counter("kvproxy_swap_bytes_total", "Bytes written or read by slot 
                      registry=REGISTRY)
 LOCK_WAIT = Histogram("kvproxy_lock_wait_seconds", "Time requests waited for the slot",
                       buckets=(0.001, 0.01, 0.1, 0.5, 1, 5, 15, 60, 300), registry=REGISTRY)
+WAITERS = Gauge("kvproxy_slot_waiters", "Requests of this process waiting for the slot",
+                registry=REGISTRY)
+REJECTED = Counter("kvproxy_slot_rejected_total",
+                   "Requests answered 503 without the slot: waited too long or too many waiting",
+                   ["reason"], registry=REGISTRY)
 TOKENS = Counter("kvproxy_prompt_tokens_total", "Prompt tokens reused from cache or computed",
                  ["kind"], registry=REGISTRY)
 RESTORE_MISSES = Counter("kvproxy_restore_misses_total",

@@ -7,10 +7,11 @@ exchange and tells the switch what the answer's timings showed.
 """
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from . import identity
 from .config import Settings
@@ -30,6 +31,8 @@ class ChatCall:
     path: str = "/v1/chat/completions"
     side: bool = False  # force a side request (never saved), e.g. embeddings
     session: identity.Session | None = None  # a route that names its session itself (infill)
+    # False once the client has gone (checked after waiting for the slot, before a swap).
+    still_wanted: Callable[[], bool] | None = None
 
     @property
     def messages(self) -> list[dict]:
@@ -90,8 +93,74 @@ class Exchange:
 
     def close(self) -> None:
         """Close the upstream request (llama-server stops generating) and free the slot."""
-        self._response.close()
-        self._switch.release(self.lease, self.timings)
+        try:
+            self._response.close()
+        finally:
+            self._switch.release(self.lease, self.timings)
+
+
+class Prompt:
+    """A request's prompt as llama-server tokenizes it, worked out only when the switch asks:
+    for a restore check (after a restore that looks unused) and for a base snapshot."""
+
+    def __init__(self, client: LlamaClient, call: "ChatCall"):
+        self._client = client
+        self._call = call
+        self._templated: str | None = None
+        self._tokens: list[int] | None = None
+
+    def _chat_body(self, messages: list[dict], generation_prompt: bool) -> dict:
+        body = {k: v for k, v in self._call.body.items()
+                if k in ("tools", "tool_choice", "chat_template_kwargs", "reasoning_format")}
+        return {**body, "messages": messages, "add_generation_prompt": generation_prompt}
+
+    def templated(self) -> str:
+        if self._templated is None:
+            if "messages" in self._call.body:
+                self._templated = self._client.apply_template(
+                    self._chat_body(self._call.messages, True))
+            else:
+                prompt = self._call.body.get("prompt")
+                self._templated = prompt if isinstance(prompt, str) else ""
+        return self._templated
+
+    def tokens(self) -> list[int]:
+        if self._tokens is None:
+            self._tokens = self._client.tokenize(self.templated(), add_special=True)
+        return self._tokens
+
+    def system_tokens(self, min_tokens: int = 0) -> list[int] | None:
+        """The leading tokens of the templated system prompt alone, shared with the full prompt.
+
+        The system messages are templated on their own; the part of that text the
+        full prompt starts with is tokenized, and only tokens the full prompt's
+        tokenization also starts with are kept (token boundaries can differ at
+        the cut).
+        """
+        messages = self._call.messages
+        system = []
+        for message in messages:
+            if not isinstance(message, dict) or message.get("role") not in ("system", "developer"):
+                break
+            system.append(message)
+        if not system or len(system) == len(messages) or "messages" not in self._call.body:
+            return None
+        if len(json.dumps([m.get("content") for m in system])) < min_tokens:
+            return None  # too short to be worth a snapshot: spare the template and tokenizer
+        alone = self._client.apply_template(self._chat_body(system, False))
+        full = self.templated()
+        shared = full[:next((i for i, (a, b) in enumerate(zip(alone, full)) if a != b),
+                            min(len(alone), len(full)))]
+        if not shared:
+            return None
+        head = self._client.tokenize(shared, add_special=True)
+        whole = self.tokens()
+        n = 0
+        for a, b in zip(head, whole):
+            if a != b:
+                break
+            n += 1
+        return whole[:n] or None
 
 
 class Relay:
@@ -119,25 +188,38 @@ class Relay:
         return {**call.body, "stream": stream, "cache_prompt": True,
                 "id_slot": self.settings.slot_id}
 
+    def _acquire(self, call: ChatCall, stream: bool) -> Lease:
+        return self.switch.acquire(self.session_for(call, stream=stream),
+                                   still_wanted=call.still_wanted, prompt=Prompt(self.client, call))
+
     def stream(self, call: ChatCall) -> Exchange:
-        """Take the slot and open a streaming request; the caller must close the exchange."""
-        lease = self.switch.acquire(self.session_for(call, stream=True))
+        """Take the slot and open a streaming request; the caller must close the exchange.
+
+        Everything between taking the slot and handing back the exchange
+        (opening the request, building the reply headers) frees the slot if it fails.
+        """
+        lease = self._acquire(call, True)
+        response = None
         try:
             response = self.client.post_stream(call.path, self._upstream_body(call, True))
+            return Exchange(self.switch, lease, response)
         except BaseException:
-            self.switch.release(lease)
+            try:
+                if response is not None:
+                    response.close()
+            finally:
+                self.switch.release(lease)
             raise
-        return Exchange(self.switch, lease, response)
 
     def complete(self, call: ChatCall) -> Answer:
         """Take the slot for one non-streaming request; the caller must close the answer."""
-        lease = self.switch.acquire(self.session_for(call, stream=False))
+        lease = self._acquire(call, False)
         try:
             result = self.client.post_json(call.path, self._upstream_body(call, False))
+            return Answer(self.switch, lease, result)
         except BaseException:
             self.switch.release(lease)
             raise
-        return Answer(self.switch, lease, result)
 
     def side_call(self, path: str, body: dict) -> dict:
         """A request that uses the slot but belongs to no conversation (embeddings)."""

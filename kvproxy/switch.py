@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from urllib.parse import quote
-from typing import Any, Iterator
-
-import filelock
+from typing import Any, Callable, Iterator, Protocol
 
 from . import disk, metrics
 from .identity import DEFAULT_SESSION, Session, base_stem
 from .llama import LlamaClient, UpstreamError, UpstreamUnavailable
+from .plan import (EMPTY, FOREIGN, OURS, UNKNOWN, fingerprint, fingerprint_key, judge_slot,
+                   plan_swap)
+from .restore_check import RestoreCheck, verify_restore
+from .slotlock import ClientGone, SlotBusy, SlotLock, SlotUnavailable
 from .store import SessionStore, StorageError, now_iso
 
 log = logging.getLogger("kvproxy.switch")
@@ -28,19 +29,19 @@ log = logging.getLogger("kvproxy.switch")
 # Cache states reported to clients in X-KVProxy-Cache.
 HIT, RESTORED, BASE, MISS = "hit", "restored", "base", "miss"
 
-# A restore counts as honoured when the next answer reused at least this share
-# of the restored tokens. Sliding-window and hybrid models report a successful
-# restore and then recompute everything (llama.cpp issues 26676, 28194, 25913).
-HONOURED_SHARE = 0.1
-MIN_TOKENS_TO_VERIFY = 64
+# A system prompt shorter than this is not worth a snapshot of its own.
+MIN_BASE_TOKENS = 32
+
+__all__ = ["SlotSwitch", "Lease", "SlotBusy", "SlotUnavailable", "ClientGone", "HIT", "RESTORED",
+           "BASE", "MISS", "header_safe", "judge_slot", "fingerprint", "fingerprint_key", "OURS", "EMPTY", "FOREIGN", "UNKNOWN"]
 
 
-class SlotBusy(RuntimeError):
-    """The slot stayed taken for longer than the configured bound."""
+class PromptView(Protocol):
+    """The request's prompt as llama-server tokenizes it (the relay provides it; asked lazily)."""
 
-    def __init__(self, waited: float, retry_after: int):
-        super().__init__(f"the model is busy with another conversation; waited {waited:.0f} s")
-        self.retry_after = retry_after
+    def tokens(self) -> list[int]: ...
+
+    def system_tokens(self, min_tokens: int = 0) -> list[int] | None: ...
 
 
 @dataclass
@@ -53,6 +54,7 @@ class Lease:
     swap_ms: float = 0.0
     restored_stem: str | None = None
     made_by: dict | None = None  # what llama-server runs, when the swap asked
+    prompt: PromptView | None = field(default=None, repr=False)  # for the restore check
     _release: Any = field(default=None, repr=False)
 
     def headers(self) -> dict[str, str]:
@@ -67,96 +69,85 @@ def header_safe(text: str) -> str:
     return quote(text, safe="")
 
 
-def fingerprint(props: dict, models: dict) -> dict:
-    """What made a slot file: a file from anything else must not be restored."""
-    meta = {}
-    for entry in models.get("data") or []:
-        meta = entry.get("meta") or {}
-        break
-    settings = props.get("default_generation_settings") or {}
-    return {
-        "model_path": props.get("model_path"),
-        "model_size": meta.get("size"),
-        "n_params": meta.get("n_params"),
-        "n_ctx": settings.get("n_ctx") or props.get("n_ctx"),
-        "build_info": props.get("build_info"),
-    }
-
-
-def fingerprint_key(made_by: dict) -> str:
-    return "|".join(f"{k}={made_by.get(k)}" for k in sorted(made_by))
-
-
 class SlotSwitch:
     """Serialises all use of the slot across threads and processes."""
 
     def __init__(self, client: LlamaClient, store: SessionStore, slot_id: int = 0,
                  lock_timeout: float = 300, base_snapshots: bool = True,
-                 restore_miss_limit: int = 2, max_disk_bytes: int = 0, min_free_bytes: int = 0):
+                 restore_miss_limit: int = 2, max_disk_bytes: int = 0, min_free_bytes: int = 0,
+                 max_waiters: int = 32, restore_off_minutes: float = 60):
         self.client = client
         self.store = store
         self.slot_id = slot_id
-        self.lock_timeout = lock_timeout
         self.base_snapshots = base_snapshots
-        self.restore_miss_limit = restore_miss_limit
         self.max_disk_bytes = max_disk_bytes
         self.budget = disk.DiskBudget(store, max_disk_bytes, min_free_bytes)
-        self._thread_lock = threading.Lock()
-        self._file_lock = filelock.FileLock(str(store.lock_path), thread_local=False)
+        self.lock = SlotLock(store.lock_path, lock_timeout, max_waiters)
+        self.restore_check = RestoreCheck(store.root, restore_miss_limit, restore_off_minutes)
+        # Set when a swap failed half-way: until the next good swap, the slot is not trusted.
+        self._uncertain = False
+
+    @property
+    def _thread_lock(self):
+        return self.lock.thread_lock
 
     # -- locking -----------------------------------------------------------
-    def acquire(self, session: Session) -> Lease:
-        """Wait (bounded) for the slot, then swap it to ``session``."""
-        self._lock()
+    def acquire(self, session: Session, *, still_wanted: Callable[[], bool] | None = None,
+                prompt: PromptView | None = None) -> Lease:
+        """Wait (bounded) for the slot, then swap it to ``session``.
+
+        Whatever fails on the way frees the slot. A failure that is not
+        llama-server's answer or absence becomes ``SlotUnavailable`` (503).
+        When the request had to wait and ``still_wanted`` says its client has
+        left, nothing is swapped (``ClientGone``).
+        """
+        waited = self.lock.acquire()
         try:
-            lease = self._swap_to(session)
-        except BaseException:
-            self._unlock()
-            raise
-        lease._release = self._unlock
+            if waited and still_wanted is not None and not still_wanted():
+                metrics.REJECTED.labels("client_gone").inc()
+                log.info("client of session %s left while waiting for the slot: no swap",
+                         session.id)
+                raise ClientGone()
+            lease = self._swap_to(session, prompt)
+        except BaseException as exc:
+            self.lock.release()
+            if isinstance(exc, ClientGone):
+                raise
+            self._mark_unknown()
+            if isinstance(exc, (UpstreamError, UpstreamUnavailable, SlotUnavailable, StorageError)) \
+                    or not isinstance(exc, Exception):
+                raise
+            log.exception("swapping the slot to session %s failed", session.id)
+            raise SlotUnavailable(f"the slot could not be prepared ({exc.__class__.__name__}); "
+                                  "see kvproxy's log") from exc
+        lease._release = self.lock.release
         return lease
 
-    def _lock(self) -> None:
-        """Take the thread lock, then the cross-process file lock, within one bound."""
-        started = time.monotonic()
-        if not self._thread_lock.acquire(timeout=self.lock_timeout):
-            raise self._busy(started)
+    def _mark_unknown(self) -> None:
+        """After a failed swap: trust nothing the slot holds until the next good swap.
+
+        Kept in memory and, when the disk allows, in the state file, so another
+        process sharing the folder does not trust the slot either.
+        """
+        self._uncertain = True
         try:
-            remaining = max(0.0, self.lock_timeout - (time.monotonic() - started))
-            self._file_lock.acquire(timeout=remaining)
-        except filelock.Timeout:
-            self._thread_lock.release()
-            raise self._busy(started) from None
-        metrics.LOCK_WAIT.observe(time.monotonic() - started)
-
-    def _busy(self, started: float) -> SlotBusy:
-        waited = time.monotonic() - started
-        return SlotBusy(waited, retry_after=max(1, int(min(self.lock_timeout, 30))))
-
-    def _unlock(self) -> None:
-        self._file_lock.release()
-        self._thread_lock.release()
+            self.store.write_state({**self.store.read_state(), "slot_unknown": True})
+        except Exception:  # noqa: BLE001 - the disk may be why the swap failed
+            log.warning("could not mark the slot as unknown in the state file")
 
     @contextlib.contextmanager
     def holding(self, timeout: float) -> Iterator[bool]:
         """The slot, for kvproxy's own housekeeping (start-up sweep and checks): yields
         False, holding nothing, when it is not free within ``timeout`` seconds."""
-        started = time.monotonic()
-        if not self._thread_lock.acquire(timeout=timeout):
+        try:
+            self.lock.acquire(timeout=timeout)
+        except SlotUnavailable:
             yield False
             return
         try:
-            try:
-                self._file_lock.acquire(timeout=max(0.0, timeout - (time.monotonic() - started)))
-            except filelock.Timeout:
-                yield False
-                return
-            try:
-                yield True
-            finally:
-                self._file_lock.release()
+            yield True
         finally:
-            self._thread_lock.release()
+            self.lock.release()
 
     def release(self, lease: Lease, timings: dict | None = None) -> None:
         """Record what the request showed about the cache, then free the slot. Idempotent."""
@@ -174,51 +165,59 @@ class SlotSwitch:
     def current_made_by(self) -> dict:
         return fingerprint(self.client.props(), self.client.models())
 
-    def _swap_to(self, session: Session) -> Lease:
+    def _swap_to(self, session: Session, prompt: PromptView | None = None) -> Lease:
         state = self.store.read_state()
         keep = state.get("active_key") == session.key
-        lost = self._slot_lost(state, trust_connection=keep)
-        if keep and not lost:
+        view = self._slot_view(state, trust_connection=keep)
+        plan = plan_swap(state, session.key, view)
+        if plan.hit:
             metrics.SWAPS.labels("none").inc()
-            return Lease(session, HIT)
+            return Lease(session, HIT, prompt=prompt)
         started = time.monotonic()
         made_by = self.current_made_by()
-        if state.get("active_persistent") and state.get("active") and not lost:
+        if plan.save_active:
             self._save(state["active"], state["active_stem"], made_by, kind="session",
                        system_hash=state.get("active_system_hash"), keep=incoming_stems(session))
-        restoring_off = fingerprint_key(made_by) in state.get("restore_disabled", {})
+        elif plan.keep_file:
+            log.info("not saving session %s: the slot is %s (kvproxy cannot prove it "
+                     "holds that session); its file stays as it was", state["active"], view)
+        restoring_off = self.restore_check.restoring_off(fingerprint_key(made_by))
         self._mark_slot_unknown(state)
-        cache, restored, restored_stem = self._load(session, made_by, restoring_off)
+        cache, restored, restored_stem = self._load(session, made_by, restoring_off, prompt)
         self.store.write_state({**state, "active": session.id, "active_key": session.key,
                                 "active_stem": session.stem,
                                 "active_persistent": session.persistent,
                                 "active_system_hash": session.system_hash,
-                                "slot_tokens": restored, "updated_at": now_iso()})
+                                "slot_tokens": restored, "slot_unknown": False,
+                                "updated_at": now_iso()})
+        self._uncertain = False
         swap_ms = (time.monotonic() - started) * 1000
-        log.info("swap to session=%s source=%s cache=%s restored_tokens=%d swap_ms=%.1f",
-                 session.id, session.source, cache, restored, swap_ms)
-        return Lease(session, cache, restored, swap_ms, restored_stem, made_by)
+        log.info("swap to session=%s source=%s cache=%s slot=%s restored_tokens=%d swap_ms=%.1f",
+                 session.id, session.source, cache, view, restored, swap_ms)
+        return Lease(session, cache, restored, swap_ms, restored_stem, made_by, prompt)
 
-    def _slot_lost(self, state: dict, trust_connection: bool = False) -> bool:
-        """True when llama-server no longer holds what the state file says (it restarted).
+    def _slot_view(self, state: dict, trust_connection: bool = False) -> str:
+        """Whether the slot holds what kvproxy's last action left in it (``OURS``), or not.
 
         With ``trust_connection``, a connection still open since the last slot
-        call counts as proof that it did not, and ``/slots`` is not asked. Only
-        the no-swap path trusts it: were llama-server behind another proxy, the
-        connection could outlive a restart, and the worst outcome must be one
-        prefill, never an emptied slot saved over a session's file.
+        call counts as proof that llama-server did not restart, and ``/slots``
+        is not asked. Only the no-swap path trusts it: it cannot see a client
+        that talked to llama-server directly, but the worst outcome there is one
+        prefill (llama-server answers from what it holds either way). A swap
+        always asks: an uncertain slot must never be saved over a session's file.
         """
+        if self._uncertain or state.get("slot_unknown"):
+            return UNKNOWN
         expected = int(state.get("slot_tokens") or 0)
-        if expected <= 0 or (trust_connection and self.client.same_server_as_last_slot_call()):
-            return False
+        if trust_connection and expected > 0 and self.client.same_server_as_last_slot_call():
+            return OURS
         try:
             slots = self.client.slots()
-        except (UpstreamError, UpstreamUnavailable):
-            return False
-        for slot in slots:
-            if slot.get("id") == self.slot_id:
-                return slot_is_empty(slot)
-        return False
+        except (UpstreamError, UpstreamUnavailable) as exc:
+            log.warning("GET /slots failed (%s): the slot is treated as foreign", exc)
+            return UNKNOWN
+        entry = next((s for s in slots if isinstance(s, dict) and s.get("id") == self.slot_id), None)
+        return judge_slot(entry, expected)
 
     def _mark_slot_unknown(self, state: dict) -> None:
         """Before the slot changes, the state file stops naming what it held: if the swap
@@ -281,9 +280,10 @@ class SlotSwitch:
             return None
         return sidecar
 
-    def _load(self, session: Session, made_by: dict,
-              restoring_off: bool) -> tuple[str, int, str | None]:
-        """Fill the slot for ``session``: its own file, else a base snapshot, else empty."""
+    def _load(self, session: Session, made_by: dict, restoring_off: bool,
+              prompt: PromptView | None = None) -> tuple[str, int, str | None]:
+        """Fill the slot for ``session``: its own file, else a base snapshot, else empty
+        (and then, for a system prompt seen first, a snapshot of that system prompt alone)."""
         if session.persistent and not restoring_off:
             candidates = [(session.stem, RESTORED)]
             if self.base_snapshots and session.system_hash:
@@ -294,7 +294,44 @@ class SlotSwitch:
                     if restored is not None:
                         return cache, restored, stem
         self._erase()
-        return MISS, 0, None
+        held = 0
+        if prompt is not None and not restoring_off and self._wants_base(session, made_by):
+            held = self._make_base(session, made_by, prompt)
+        return MISS, held, None
+
+    def _wants_base(self, session: Session, made_by: dict) -> bool:
+        if not (self.base_snapshots and session.persistent and session.system_hash):
+            return False
+        stem = base_stem(session.system_hash)
+        sidecar = self.store.read_sidecar(stem)
+        return not (self.store.has_bin(stem) and sidecar and sidecar.get("made_by") == made_by)
+
+    def _make_base(self, session: Session, made_by: dict, prompt: PromptView) -> int:
+        """Prefill the system prompt alone and save it as the base snapshot.
+
+        Never the first user's message or answer: a later conversation could
+        probe them through the cached-token counts every API reports. Returns
+        the tokens the slot then holds (0 when no base was made).
+        """
+        system_hash = session.system_hash
+        try:
+            tokens = prompt.system_tokens(MIN_BASE_TOKENS)
+            if not tokens or len(tokens) < MIN_BASE_TOKENS:
+                return 0
+            timings = self.client.prefill(tokens, self.slot_id).get("timings") or {}
+        except (UpstreamError, UpstreamUnavailable) as exc:
+            log.warning("no base snapshot for system prompt %s: %s", system_hash, exc)
+            self._erase()
+            return 0
+        # Not in the answer's timings: count it here, so computed tokens add up.
+        computed = int(timings.get("prompt_n") or 0)
+        metrics.TOKENS.labels("computed").inc(computed)
+        metrics.TOKENS.labels("reused").inc(int(timings.get("cache_n") or 0))
+        if self._save(f"base:{system_hash}", base_stem(system_hash), made_by, kind="base",
+                      system_hash=system_hash):
+            metrics.SWAPS.labels("base").inc()
+            self.store.update_sidecar(base_stem(system_hash), {}, prefill_computed=computed)
+        return len(tokens)
 
     def _restore(self, stem: str) -> int | None:
         started = time.monotonic()
@@ -327,16 +364,14 @@ class SlotSwitch:
 
     def checkpoint(self, timeout: float = 10) -> bool:
         """Save the active session now (at shutdown), so a later llama-server restart loses nothing."""
-        bound, self.lock_timeout = self.lock_timeout, timeout
         try:
-            self._lock()
-        except SlotBusy:
+            self.lock.acquire(timeout)
+        except SlotUnavailable:
             return False
-        finally:
-            self.lock_timeout = bound
         try:
             state = self.store.read_state()
-            if not (state.get("active_persistent") and state.get("active")) or self._slot_lost(state):
+            if not (state.get("active_persistent") and state.get("active")) \
+                    or self._slot_view(state) != OURS:
                 return False
             return self._save(state["active"], state["active_stem"], self.current_made_by(),
                               kind="session", system_hash=state.get("active_system_hash")) is not None
@@ -344,25 +379,34 @@ class SlotSwitch:
             log.warning("could not save the active session at shutdown: %s", exc)
             return False
         finally:
-            self._unlock()
+            self.lock.release()
 
     def forget(self, session_id: str) -> bool:
-        """Delete a session's (or base snapshot's) files; erase the slot if it holds it."""
+        """Delete a session's (or base snapshot's) files; erase the slot if it holds it.
+
+        With llama-server down the files still go: the slot is then marked
+        unknown, so what it holds is never saved or trusted again.
+        """
         stems = {s["stem"] for s in self.store.sidecars() if s.get("session_id") == session_id}
         stems.add(Session(session_id, "admin").stem)  # a file left without its sidecar
-        self._lock()
+        self.lock.acquire()
         try:
             state = self.store.read_state()
             if state.get("active") == session_id:
-                self._erase()
+                try:
+                    self._erase()
+                except (UpstreamError, UpstreamUnavailable) as exc:
+                    log.warning("could not erase the slot of deleted session %s: %s", session_id, exc)
+                    self._uncertain = True
                 self.store.write_state({**state, "active": DEFAULT_SESSION, "active_key": None,
                                         "active_stem": None,
                                         "active_persistent": False, "active_system_hash": None,
-                                        "slot_tokens": 0, "updated_at": now_iso()})
+                                        "slot_tokens": 0, "slot_unknown": self._uncertain,
+                                        "updated_at": now_iso()})
             removed = [self.store.delete(stem) for stem in stems]
             return any(removed)
         finally:
-            self._unlock()
+            self.lock.release()
 
     # -- after the request -------------------------------------------------
     def _after_request(self, lease: Lease, timings: dict) -> None:
@@ -373,50 +417,24 @@ class SlotSwitch:
         metrics.TOKENS.labels("reused").inc(cache_n)
         metrics.TOKENS.labels("computed").inc(prompt_n)
         state = self.store.read_state()
-        before = dict(state)
-        if timings:
-            state["slot_tokens"] = cache_n + prompt_n + predicted_n
+        if timings:  # what the slot now holds: compared with /slots before the next swap
+            held = cache_n + prompt_n + predicted_n
+            if state.get("slot_tokens") != held:
+                self.store.write_state({**state, "slot_tokens": held})
         if lease.cache in (RESTORED, BASE) and timings:
-            self._verify_restore(lease, cache_n, state)
-        if state != before:
-            self.store.write_state(state)
+            self._verify_restore(lease, cache_n)
         if not session.persistent:
             return
         self.store.update_sidecar(session.stem, {"session_id": session.id, "kind": "session"},
                                   count="hits", session_id=session.id, last_used_at=now_iso(),
                                   last_cache=lease.cache, last_cache_n=cache_n,
                                   last_prompt_n=prompt_n)
-        if lease.cache == MISS and self.base_snapshots and session.system_hash and timings:
-            self._save_base(session.system_hash, lease.made_by or self.current_made_by())
 
-    def _save_base(self, system_hash: str, made_by: dict) -> None:
-        """Snapshot a system prompt's first answer, unless this model already has one."""
-        stem = base_stem(system_hash)
-        sidecar = self.store.read_sidecar(stem)
-        if self.store.has_bin(stem) and sidecar and sidecar.get("made_by") == made_by:
-            return
-        if self._save(f"base:{system_hash}", stem, made_by, kind="base", system_hash=system_hash):
-            metrics.SWAPS.labels("base").inc()
-
-    def _verify_restore(self, lease: Lease, cache_n: int, state: dict) -> None:
-        """Count restores that llama-server reported but did not use."""
-        if lease.restored_tokens < MIN_TOKENS_TO_VERIFY:
-            return
-        honoured = cache_n >= lease.restored_tokens * HONOURED_SHARE
-        misses = state.setdefault("restore_misses", {})
+    def _verify_restore(self, lease: Lease, cache_n: int) -> None:
+        """Count restores that llama-server reported but did not use (see restore_check)."""
         key = fingerprint_key(lease.made_by or self.current_made_by())
-        if honoured:
-            misses.pop(key, None)
-            return
-        misses[key] = misses.get(key, 0) + 1
-        metrics.RESTORE_MISSES.labels("not_honoured").inc()
-        log.warning("restore of session %s not honoured: %d tokens restored, %d reused (%d in a row)",
-                    lease.session.id, lease.restored_tokens, cache_n, misses[key])
-        self.store.update_sidecar(lease.restored_stem, {}, restore_not_honoured_at=now_iso())
-        if self.restore_miss_limit and misses[key] >= self.restore_miss_limit:
-            state.setdefault("restore_disabled", {})[key] = now_iso()
-            log.error("restoring switched off for this model after %d unhonoured restores; "
-                      "it comes back when the model or llama-server build changes", misses[key])
+        if verify_restore(self.restore_check, self.store, lease, cache_n, key) == "not_honoured":
+            metrics.RESTORE_MISSES.labels("not_honoured").inc()
 
 
 def incoming_stems(session: Session) -> set[str]:
@@ -425,12 +443,3 @@ def incoming_stems(session: Session) -> set[str]:
     if session.system_hash:
         stems.add(base_stem(session.system_hash))
     return stems
-
-
-def slot_is_empty(slot: dict) -> bool:
-    """Whether a /slots entry shows a slot that lost its tokens.
-
-    A freshly started llama-server lists the slot without ``id_task``; after a
-    task, ``n_prompt_tokens`` is the number of tokens the slot holds.
-    """
-    return "id_task" not in slot or not slot.get("n_prompt_tokens")

@@ -8,9 +8,11 @@ from __future__ import annotations
 import copy
 import json
 import re
+import struct
 from pathlib import Path
 
 import responses
+from responses import matchers
 
 UPSTREAM = "http://llama.test"
 PROPS = {"model_path": "/models/tiny.gguf", "build_info": "b1-test", "total_slots": 1,
@@ -34,6 +36,9 @@ class FakeLlama:
         self.on_save = None                 # called with the file name before a save writes
         self.saving_off = False             # as llama-server without --slot-save-path
         self.chat_timings = {"cache_n": 0, "prompt_n": 10, "predicted_n": 2}
+        # When set, saves write llama-server's real layout with these token ids at the head.
+        self.slot_token_ids: list[int] | None = None
+        self.prefills: list[list[int]] = []
         mock.add_callback(responses.POST, re.compile(rf"{UPSTREAM}/slots/0\?action=\w+"),
                           callback=self._slot)
         mock.add_callback(responses.GET, f"{UPSTREAM}/props", callback=lambda r: self._json(self.props))
@@ -44,6 +49,17 @@ class FakeLlama:
         mock.add(responses.GET, f"{UPSTREAM}/health", json={"status": "ok"})
         mock.add_callback(responses.POST, f"{UPSTREAM}/v1/chat/completions", callback=self._chat)
         mock.add_callback(responses.POST, f"{UPSTREAM}/v1/completions", callback=self._text)
+        # Only kvproxy's own prefill (n_predict 0): tests register other /completion answers.
+        mock.add_callback(responses.POST, f"{UPSTREAM}/completion", callback=self._prefill,
+                          match=[matchers.json_params_matcher({"n_predict": 0},
+                                                              strict_match=False)])
+
+    def _prefill(self, request):
+        body = json.loads(request.body)
+        self.prefills.append(body["prompt"])
+        self.tokens = len(body["prompt"])
+        return self._json({"content": "", "timings": {"cache_n": 0, "prompt_n": self.tokens,
+                                                      "predicted_n": 0}})
 
     def slot_entry(self) -> dict:
         """As llama-server lists it: no id_task until a task ran since start."""
@@ -73,10 +89,18 @@ class FakeLlama:
             if self.save_fault == "fail":
                 return self._json({"error": {"code": 500, "message": "Unable to save slot",
                                              "type": "server_error"}}, 500)
-            size = self.tokens + 4 if self.save_fault != "short" else 3
-            (self.slot_dir / filename).write_bytes((b"ggsq" + bytes(self.tokens))[:size])
+            if self.slot_token_ids is not None:
+                ids = self.slot_token_ids[:self.tokens]
+                data = struct.pack(f"<III{len(ids)}i", 0x67677371, 4, len(ids), *ids)
+                data += bytes(max(0, self.tokens + 4 - len(data)))
+            else:
+                data = b"ggsq" + bytes(self.tokens)
+            written = len(data)
+            if self.save_fault == "short":
+                data = data[:3]
+            (self.slot_dir / filename).write_bytes(data)
             return self._json({"id_slot": 0, "filename": filename, "n_saved": self.tokens,
-                               "n_written": self.tokens + 4,
+                               "n_written": written,
                                **({"timings": {"save_ms": 1.234}} if self.slot_timings else {})})
         if action == "restore":
             path = self.slot_dir / filename
@@ -84,7 +108,11 @@ class FakeLlama:
                 self.tokens = 0
                 return self._json({"error": {"code": 400, "message": "Unable to restore slot",
                                              "type": "invalid_request_error"}}, 400)
-            self.tokens = path.stat().st_size - 4
+            head = path.read_bytes()
+            if head[:4] == b"ggsq":
+                self.tokens = len(head) - 4
+            else:
+                self.tokens = struct.unpack("<III", head[:12])[2]
             return self._json({"id_slot": 0, "filename": filename, "n_restored": self.tokens,
                                "n_read": self.tokens + 4,
                                **({"timings": {"restore_ms": 0.456}} if self.slot_timings else {})})

@@ -327,7 +327,7 @@ def app(tmp_path, upstream):
     switch = application.extensions["kvproxy.switch"]
     switch.sessions, taken, switch.released = [], [], {}
 
-    def acquire(session):
+    def acquire(session, **_):
         switch.sessions.append(session)
         taken.append(Lease(session, "miss"))
         return taken[-1]
@@ -438,7 +438,7 @@ def test_errors_have_ollama_shape_and_status(client, app, upstream):
                                          "messages": [{"role": "user", "content": "x"}]})
     assert bad.status_code == 400
 
-    def busy(session):
+    def busy(session, **_):
         raise SlotBusy(5.0, retry_after=7)
     app.extensions["kvproxy.switch"].acquire = busy
     response = client.post("/api/chat", json={"model": NAME,

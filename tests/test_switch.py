@@ -8,7 +8,7 @@ from kvproxy import create_app
 from kvproxy.identity import Session, base_stem
 from kvproxy.llama import LlamaClient
 from kvproxy.store import SessionStore
-from kvproxy.switch import BASE, HIT, MISS, RESTORED, SlotBusy, SlotSwitch
+from kvproxy.switch import BASE, HIT, MISS, RESTORED, SlotBusy, SlotSwitch, fingerprint_key
 from tests.fake_llama import UPSTREAM, FakeLlama
 
 
@@ -93,14 +93,33 @@ def test_failed_restore_leaves_a_clean_slot(tmp_path, fake):
     assert fake.actions[-2:] == [("restore", f"{A.stem}.bin"), ("erase", None)]
 
 
-def test_base_snapshot_is_made_once_and_used_by_new_sessions(tmp_path, fake):
+class FakePrompt:
+    """What the relay hands the switch: the prompt's tokens and its system prompt's."""
+
+    def __init__(self, tokens, system=None):
+        self._tokens, self._system = list(tokens), system
+
+    def tokens(self):
+        return self._tokens
+
+    def system_tokens(self, min_tokens=0):
+        return self._system
+
+
+def test_base_snapshot_holds_only_the_system_prompt_and_serves_new_sessions(tmp_path, fake):
     switch = make_switch(tmp_path)
+    system = list(range(100))
     one = Session("one", "test", system_hash="cafe")
     two = Session("two", "test", system_hash="cafe")
-    turn(switch, one, fake)
-    assert fake.actions[-1] == ("save", f"{base_stem('cafe')}.saving.bin")
+    lease = switch.acquire(one, prompt=FakePrompt(system + [900, 901], system))
+    assert lease.cache == MISS
+    assert fake.prefills == [system], "the system prompt alone is computed first"
+    assert fake.actions == [("erase", None), ("save", f"{base_stem('cafe')}.saving.bin")]
+    assert SessionStore(tmp_path).read_sidecar(base_stem("cafe"))["n_tokens"] == len(system)
+    fake.tokens = 112
+    switch.release(lease, {"cache_n": 99, "prompt_n": 3, "predicted_n": 10})
     lease = turn(switch, two, fake)
-    assert lease.cache == BASE
+    assert lease.cache == BASE and lease.restored_tokens == len(system)
     assert fake.actions[-2:] == [("save", f"{one.stem}.saving.bin"), ("restore", f"{base_stem('cafe')}.bin")]
     assert sum(1 for a in fake.actions if a == ("save", f"{base_stem('cafe')}.saving.bin")) == 1
 
@@ -119,19 +138,20 @@ def test_llama_server_restart_is_noticed(tmp_path, fake):
 
 def test_unhonoured_restores_switch_restoring_off(tmp_path, fake):
     switch = make_switch(tmp_path, base_snapshots=False, restore_miss_limit=2)
-    ignored = {"cache_n": 0, "prompt_n": 501, "predicted_n": 1}
+    fake.slot_token_ids = list(range(1000))
+    ignored = {"cache_n": 0, "prompt_n": 499, "predicted_n": 1}
     for session in (A, B):  # both get a saved file of 500 tokens
+        lease = switch.acquire(session)
         fake.tokens = 500
-        switch.release(switch.acquire(session), ignored)
+        switch.release(lease, ignored)
     misses = []
     for session in (A, B):  # each restore reports 500 tokens, the answer reuses none
-        fake.tokens = 500
-        lease = switch.acquire(session)
+        lease = switch.acquire(session, prompt=FakePrompt(range(600)))
         assert lease.cache == RESTORED and lease.restored_tokens == 500
         switch.release(lease, ignored)
         misses.append(SessionStore(tmp_path).read_sidecar(session.stem).get("restore_not_honoured_at"))
     assert all(misses)
-    assert SessionStore(tmp_path).read_state()["restore_disabled"]
+    assert switch.restore_check.status(fingerprint_key(switch.current_made_by()))["restoring_off"]
     assert switch.acquire(A).cache == MISS
 
 
@@ -175,9 +195,11 @@ def test_slot_folder_is_kept_within_its_bound(tmp_path, fake):
 
 def test_base_from_another_model_is_replaced(tmp_path, fake):
     switch = make_switch(tmp_path)
-    turn(switch, Session("one", "test", system_hash="cafe"), fake)
+    prompt = FakePrompt(range(60), list(range(50)))
+    switch.release(switch.acquire(Session("one", "test", system_hash="cafe"), prompt=prompt))
     fake.props = {**fake.props, "model_path": "/models/other.gguf"}
-    lease = turn(switch, Session("two", "test", system_hash="cafe"), fake)
+    lease = switch.acquire(Session("two", "test", system_hash="cafe"), prompt=prompt)
+    switch.release(lease)
     assert lease.cache == MISS
     sidecar = SessionStore(tmp_path).read_sidecar(base_stem("cafe"))
     assert sidecar["made_by"]["model_path"] == "/models/other.gguf"

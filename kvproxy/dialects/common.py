@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import logging
+import select
+import socket
 from typing import Any, Callable, Iterable, Iterator
 
-from flask import Response, current_app, g, request
+from flask import Response, current_app, request
 
 from ..llama import UpstreamError, UpstreamUnavailable
 from ..relay import ChatCall, Relay
+from ..slotlock import SlotUnavailable
 from ..store import StorageError
-from ..switch import SlotBusy
 
 log = logging.getLogger("kvproxy.dialects")
 
@@ -43,8 +45,8 @@ def failure(exc: Exception) -> Failure:
     """Status, message and extra headers for an exception on the way to llama-server."""
     if isinstance(exc, BadRequest):
         return exc.status, exc.message, {}
-    if isinstance(exc, SlotBusy):
-        return 503, str(exc), {"Retry-After": str(exc.retry_after)}
+    if isinstance(exc, SlotUnavailable):
+        return exc.status, str(exc), {"Retry-After": str(exc.retry_after)}
     if isinstance(exc, StorageError):
         return 503, f"kvproxy cannot use its slot folder: {exc}", {"Retry-After": str(exc.retry_after)}
     if isinstance(exc, UpstreamUnavailable):
@@ -54,23 +56,102 @@ def failure(exc: Exception) -> Failure:
     raise exc
 
 
-HANDLED = (BadRequest, SlotBusy, StorageError, UpstreamUnavailable, UpstreamError)
+HANDLED = (BadRequest, SlotUnavailable, StorageError, UpstreamUnavailable, UpstreamError)
+CLOSERS = "kvproxy.slot_closers"
 
 
-def hold_slot_until_closed(response: Response, close: Callable[[], None]) -> None:
-    """Free the slot when the server closes ``response``.
+def hold_slot_until_closed(close: Callable[[], None]) -> None:
+    """Free the slot when the server closes this request's response, whatever it is.
 
-    If a later hook fails, Flask sends an error page instead and this response
-    is never closed: the error handler then calls ``free_held_slot``.
+    ``FreeHeldSlots`` runs the closers when the server closes the response it
+    finally sent: the stream or answer itself, or an error page that replaced
+    it (a failing hook, a failing error handler), or when the app raised.
     """
-    g.setdefault("kvproxy_slot_closers", []).append(close)
-    response.call_on_close(close)
+    request.environ.setdefault(CLOSERS, []).append(close)
 
 
 def free_held_slot() -> None:
-    """Free a slot this request still holds (its response was replaced by an error)."""
-    for close in g.pop("kvproxy_slot_closers", []):
-        close()
+    """Free the slot this request holds now (its response was replaced by an error page)."""
+    run_closers(request.environ)
+
+
+def run_closers(environ: dict) -> None:
+    """Run each closer once; one that fails does not stop the others."""
+    closers = environ.get(CLOSERS) or []
+    while closers:
+        close = closers.pop(0)
+        try:
+            close()
+        except Exception:  # noqa: BLE001 - the other closers must still run
+            log.exception("freeing the slot failed")
+
+
+class FreeHeldSlots:
+    """WSGI middleware: the one place that guarantees a request's slot is freed.
+
+    Whatever happens between taking the slot and the end of the reply, the
+    server closes what the app returned (or the app raised): either way the
+    request's closers run, and each is idempotent.
+    """
+
+    def __init__(self, app: Callable) -> None:
+        self.app = app
+
+    def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
+        try:
+            body = self.app(environ, start_response)
+        except BaseException:
+            run_closers(environ)
+            raise
+        return _ClosingBody(body, environ)
+
+
+class _ClosingBody:
+    """The app's response iterable, with the request's closers run after its own close."""
+
+    def __init__(self, body: Iterable[bytes], environ: dict) -> None:
+        self._body = body
+        self._iter = iter(body)
+        self._environ = environ
+
+    def __iter__(self) -> "_ClosingBody":
+        return self
+
+    def __next__(self) -> bytes:
+        return next(self._iter)
+
+    def close(self) -> None:
+        try:
+            close = getattr(self._body, "close", None)
+            if close is not None:
+                close()
+        finally:
+            run_closers(self._environ)
+
+
+def client_still_there() -> Callable[[], bool]:
+    """A check whether the client is still connected (gunicorn gives the socket).
+
+    A closed connection is readable and reads as end of file; one still open
+    is not readable, or has the start of a next request waiting. Without the
+    socket (other servers, tests) the client counts as there.
+    """
+    sock = request.environ.get("gunicorn.socket")
+    if sock is None:
+        return lambda: True
+
+    def check() -> bool:
+        try:
+            poller = select.poll()  # poll, not select: any descriptor number
+            poller.register(sock, select.POLLIN)
+            if not poller.poll(0):
+                return True
+            return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        except BlockingIOError:
+            return True
+        except OSError:  # reset, or already closed
+            return False
+    return check
 
 
 def serve_chat(call: ChatCall, *, stream: bool,
@@ -86,9 +167,12 @@ def serve_chat(call: ChatCall, *, stream: bool,
     a stream after its last byte or when the client goes away, which also
     closes the upstream request.
     """
+    if call.still_wanted is None:
+        call.still_wanted = client_still_there()
     try:
         if not stream:
             answer = relay().complete(call)
+            hold_slot_until_closed(answer.close)
             try:
                 reply = render_full(answer.result)
                 response = reply if isinstance(reply, Response) else current_app.json.response(reply)
@@ -96,9 +180,9 @@ def serve_chat(call: ChatCall, *, stream: bool,
             except BaseException:
                 answer.close()
                 raise
-            hold_slot_until_closed(response, answer.close)
             return response
         exchange = relay().stream(call)
+        hold_slot_until_closed(exchange.close)
     except HANDLED as exc:
         return render_error(*failure(exc))
 
@@ -114,8 +198,12 @@ def serve_chat(call: ChatCall, *, stream: bool,
         finally:
             exchange.close()
 
-    response = Response(body(), mimetype=mimetype, headers=exchange.headers)
-    response.headers["Cache-Control"] = "no-cache"
-    response.headers["X-Accel-Buffering"] = "no"  # nginx: relay chunks as they come
-    hold_slot_until_closed(response, exchange.close)
+    try:
+        response = Response(body(), mimetype=mimetype, headers=exchange.headers)
+        response.headers["Cache-Control"] = "no-cache"
+        response.headers["X-Accel-Buffering"] = "no"  # nginx: relay chunks as they come
+    except BaseException:
+        exchange.close()
+        raise
+    response.call_on_close(exchange.close)
     return response

@@ -1,0 +1,330 @@
+"""Waiting bounded in count, clients that left, foreign slots, the restore check and deleting
+while llama-server is down, against a stubbed llama-server."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+
+import pytest
+import responses
+
+from kvproxy import create_app
+from kvproxy.identity import Session
+from kvproxy.llama import LlamaClient
+from kvproxy.restore_check import judge, slot_file_tokens
+from kvproxy.store import SessionStore
+from kvproxy.plan import EMPTY, FOREIGN, OURS, UNKNOWN, judge_slot, plan_swap
+from kvproxy.switch import RESTORED, ClientGone, SlotBusy, SlotSwitch, fingerprint_key
+from tests.fake_llama import UPSTREAM, FakeLlama
+from tests.test_switch import FakePrompt, turn
+
+A = Session("A", "test")
+B = Session("B", "test")
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.fixture
+def fake(tmp_path):
+    with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
+        yield FakeLlama(mock, tmp_path)
+
+
+def make_switch(tmp_path, **kwargs):
+    return SlotSwitch(LlamaClient(UPSTREAM), SessionStore(tmp_path), base_snapshots=False, **kwargs)
+
+
+def wait_until(condition, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+# -- waiting is bounded in count --------------------------------------------------
+def test_past_the_waiter_bound_a_request_gets_503_at_once(tmp_path, fake):
+    switch = make_switch(tmp_path, lock_timeout=3, max_waiters=2)
+    held = switch.acquire(A)
+    results = []
+    waiters = [threading.Thread(target=lambda: results.append(switch.acquire(B))) for _ in range(2)]
+    for thread in waiters:
+        thread.start()
+    wait_until(lambda: switch.lock.waiting == 2)
+    started = time.monotonic()
+    with pytest.raises(SlotBusy) as busy:
+        switch.acquire(B)
+    assert time.monotonic() - started < 0.5, "refused at once, not after the time bound"
+    assert busy.value.retry_after >= 1 and "too many" in str(busy.value)
+    switch.release(held)
+    for thread in waiters:
+        wait_until(lambda: bool(results))
+        switch.release(results.pop())
+        thread.join(5)
+    assert switch.lock.waiting == 0 and not switch.lock.thread_lock.locked()
+
+
+def test_queue_full_is_503_with_retry_after_in_each_api_format(tmp_path, fake):
+    app = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM, "max_waiters": 0,
+                      "lock_timeout": 2})
+    switch = app.extensions["kvproxy.switch"]
+    client = app.test_client()
+    lease = switch.acquire(A)
+    try:
+        openai = client.post("/v1/chat/completions", json=CHAT)
+        anthropic = client.post("/v1/messages", json={"model": "m", "max_tokens": 5, **CHAT})
+        ollama = client.post("/api/chat", json={"model": "tiny", **CHAT})
+    finally:
+        switch.release(lease)
+    for reply in (openai, anthropic, ollama):
+        assert reply.status_code == 503 and int(reply.headers["Retry-After"]) >= 1
+    assert openai.json["error"]["message"].startswith("too many requests")
+    assert anthropic.json["error"]["type"] == "overloaded_error"
+    assert ollama.json["error"].startswith("too many requests")
+
+
+def test_health_metrics_and_admin_reads_answer_while_every_chat_thread_waits(tmp_path, fake):
+    app = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM, "lock_timeout": 10,
+                      "max_waiters": 8})
+    switch = app.extensions["kvproxy.switch"]
+    lease = switch.acquire(A)
+    chats = [threading.Thread(target=lambda: app.test_client().post(
+        "/v1/chat/completions", json=CHAT)) for _ in range(8)]
+    for thread in chats:
+        thread.start()
+    try:
+        wait_until(lambda: switch.lock.waiting == 8)
+        client = app.test_client()
+        for path in ("/health", "/metrics", "/api/sessions", "/api/sessions/current"):
+            started = time.monotonic()
+            reply = client.get(path)
+            assert reply.status_code == 200, path
+            assert time.monotonic() - started < 0.5, f"{path} waited for the slot"
+        started = time.monotonic()
+        assert client.post("/api/sessions/restore-check/reset").status_code == 200
+        assert time.monotonic() - started < 0.5
+        assert client.post("/v1/chat/completions", json=CHAT).status_code == 503
+    finally:
+        switch.release(lease)
+        for thread in chats:
+            thread.join(10)
+
+
+# -- a client that left while waiting costs no swap -------------------------------------
+def test_client_that_left_while_waiting_costs_no_swap(tmp_path, fake):
+    switch = make_switch(tmp_path, lock_timeout=10)
+    turn(switch, A, fake)
+    held = switch.acquire(A)
+    outcome = []
+    server_end, client_end = socket.socketpair()
+
+    def still_wanted():
+        readable = server_end.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        return readable != b""
+
+    def waiting():
+        try:
+            outcome.append(switch.acquire(B, still_wanted=still_wanted))
+        except ClientGone as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=waiting)
+    thread.start()
+    wait_until(lambda: switch.lock.waiting == 1)
+    client_end.close()                          # the client gives up
+    actions_before = list(fake.actions)
+    switch.release(held)
+    thread.join(5)
+    server_end.close()
+    assert isinstance(outcome[0], ClientGone)
+    assert fake.actions == actions_before, "no save, restore or erase for a client that left"
+    assert SessionStore(tmp_path).read_state()["active"] == "A"
+    assert not switch.lock.thread_lock.locked()
+
+
+def test_client_check_reads_the_gunicorn_socket(tmp_path, fake):
+    """The route gives the switch a check built on gunicorn's socket: a closed peer is gone."""
+    app = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM})
+    server_end, client_end = socket.socketpair()
+    from kvproxy.dialects.common import client_still_there
+    with app.test_request_context(environ_base={"gunicorn.socket": server_end}):
+        check = client_still_there()
+        assert check() is True
+        client_end.sendall(b"GET / HTTP/1.1\r\n")   # a pipelined request: still there
+        assert check() is True
+        client_end.close()
+        server_end.recv(100)
+        assert check() is False
+    server_end.close()
+
+
+# -- a slot kvproxy cannot vouch for is foreign ----------------------------------------
+def test_judge_slot():
+    assert judge_slot(None, 10) == UNKNOWN
+    assert judge_slot({"id": 0}, 0) == OURS                       # fresh llama-server, nothing expected
+    assert judge_slot({"id": 0}, 500) == EMPTY                    # restarted
+    assert judge_slot({"id": 0, "id_task": 3, "n_prompt_tokens": 500}, 500) == OURS
+    assert judge_slot({"id": 0, "id_task": 3, "n_prompt_tokens": 501}, 500) == OURS
+    assert judge_slot({"id": 0, "id_task": 9, "n_prompt_tokens": 37}, 500) == FOREIGN
+
+
+def test_plan_swap_trusts_only_a_slot_proven_to_hold_the_active_session():
+    state = {"active": "A", "active_key": "A", "active_persistent": True}
+    assert plan_swap(state, "A", OURS).hit
+    for view in (EMPTY, FOREIGN, UNKNOWN):
+        same = plan_swap(state, "A", view)
+        assert not same.hit and not same.save_active and same.keep_file
+        other = plan_swap(state, "B", view)
+        assert not other.save_active and other.keep_file
+    assert plan_swap(state, "B", OURS).save_active
+    assert not plan_swap({**state, "active_persistent": False}, "B", OURS).save_active
+
+
+def test_foreign_content_is_not_saved_over_the_file_and_the_session_is_restored(tmp_path, fake):
+    switch = make_switch(tmp_path)
+    turn(switch, A, fake)
+    turn(switch, B, fake)
+    turn(switch, A, fake)                       # A restored and answered
+    fake.tokens = 37                            # then someone used llama-server directly
+    switch.client._witness = None               # as after a kvproxy restart: no open connection
+    since = len(fake.actions)
+    lease = turn(switch, A, fake)
+    assert lease.cache == RESTORED, "the returning session gets its own file back, not a hit"
+    assert fake.actions[since:] == [("restore", f"{A.stem}.bin")]
+    fake.tokens = 37                            # and again, before the next swap
+    since = len(fake.actions)
+    turn(switch, B, fake)
+    assert fake.actions[since:] == [("restore", f"{B.stem}.bin")], \
+        "foreign content is never saved over A's file"
+
+
+def test_slots_error_means_no_save_and_a_restore(tmp_path, fake):
+    switch = make_switch(tmp_path)
+    turn(switch, A, fake)
+    turn(switch, B, fake)
+    turn(switch, A, fake)
+    fake.mock.replace(responses.GET, f"{UPSTREAM}/slots", status=500, json={"error": "boom"})
+    switch.client._witness = None
+    since = len(fake.actions)
+    assert turn(switch, A, fake).cache == RESTORED
+    assert turn(switch, B, fake).cache == RESTORED
+    assert fake.actions[since:] == [("restore", f"{A.stem}.bin"), ("restore", f"{B.stem}.bin")], \
+        "a slot kvproxy cannot vouch for is never saved"
+
+
+def test_a_failed_swap_makes_the_slot_untrusted(tmp_path, fake, monkeypatch):
+    """The restore of A went through, then writing its sidecar failed: the slot holds A while
+    the state file still names B with the same token count. B must not be served from it."""
+    switch = make_switch(tmp_path)
+    turn(switch, A, fake)
+    turn(switch, B, fake)
+    update_sidecar = switch.store.update_sidecar
+
+    def fails_after_restore(stem, defaults, count=None, **changes):
+        if count == "restores":
+            raise OSError("disk gone")
+        return update_sidecar(stem, defaults, count=count, **changes)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(switch.store, "update_sidecar", fails_after_restore)
+        with pytest.raises(Exception):
+            switch.acquire(A)
+    assert fake.actions[-1] == ("restore", f"{A.stem}.bin")
+    other_process = make_switch(tmp_path)      # shares the folder, not this process's memory
+    assert other_process._slot_view(SessionStore(tmp_path).read_state()) == UNKNOWN
+    since = len(fake.actions)
+    lease = turn(switch, B, fake)
+    assert lease.cache == RESTORED, "not a hit on what the failed swap left"
+    assert fake.actions[since:] == [("restore", f"{B.stem}.bin")], "and nothing saved"
+    assert other_process._slot_view(SessionStore(tmp_path).read_state()) != UNKNOWN
+
+
+# -- the restore check ------------------------------------------------------------------
+def test_judge_counts_only_prompts_that_start_with_the_restored_tokens():
+    assert judge(500, 480, None) == "honoured"
+    assert judge(500, 0, None) == "not_comparable"      # the cheap check cannot tell
+    assert judge(500, 0, 500) == "not_honoured"         # prompt starts with them, none reused
+    assert judge(500, 0, 30) == "not_comparable"        # diverges early: a new chat, an edit
+    assert judge(500, 20, 100) == "honoured"            # reused most of what it could
+    assert judge(40, 0, 40) == "not_comparable"         # too few to judge
+
+
+def restored_then(switch, fake, session, prompt_tokens, timings):
+    lease = switch.acquire(session, prompt=FakePrompt(prompt_tokens))
+    assert lease.cache == RESTORED
+    switch.release(lease, timings)
+    return lease
+
+
+def two_saved_sessions(switch, fake):
+    fake.slot_token_ids = list(range(1000))
+    for session in (A, B):
+        lease = switch.acquire(session)
+        fake.tokens = 500
+        switch.release(lease, {"cache_n": 0, "prompt_n": 499, "predicted_n": 1})
+
+
+def test_diverging_prompts_after_restores_do_not_switch_restoring_off(tmp_path, fake):
+    switch = make_switch(tmp_path, restore_miss_limit=2)
+    two_saved_sessions(switch, fake)
+    key = fingerprint_key(switch.current_made_by())
+    for session in (A, B, A, B):          # edited first message: nothing in common after token 10
+        fake.tokens = 500
+        restored_then(switch, fake, session, list(range(10)) + [7777] * 600,
+                      {"cache_n": 10, "prompt_n": 599, "predicted_n": 1})
+    assert not switch.restore_check.status(key)["restoring_off"]
+    assert switch.restore_check.status(key)["misses_in_a_row"] == 0
+
+
+def test_restoring_off_expires_and_admin_reset_turns_it_on(tmp_path, fake):
+    app = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM, "base_snapshots": False,
+                      "restore_miss_limit": 1, "restore_off_minutes": 30, "admin_token": "t"})
+    switch = app.extensions["kvproxy.switch"]
+    two_saved_sessions(switch, fake)
+    key = fingerprint_key(switch.current_made_by())
+    fake.tokens = 500
+    restored_then(switch, fake, A, range(600), {"cache_n": 0, "prompt_n": 600, "predicted_n": 1})
+    status = switch.restore_check.status(key)
+    assert status["restoring_off"]
+    until = datetime.fromisoformat(status["off_until"])
+    assert timedelta(minutes=29) < until - datetime.now(timezone.utc) <= timedelta(minutes=30)
+    later = datetime.now(timezone.utc) + timedelta(minutes=31)
+    assert not switch.restore_check.status(key, now=later)["restoring_off"], "it expires"
+
+    client = app.test_client()
+    auth = {"Authorization": "Bearer t"}
+    current = client.get("/api/sessions/current", headers=auth).json
+    assert current["restore_check"]["restoring_off"] is True and current["restore_check"]["off_until"]
+    assert client.post("/api/sessions/restore-check/reset").status_code == 401
+    reset = client.post("/api/sessions/restore-check/reset", headers=auth)
+    assert reset.status_code == 200 and reset.json["restoring_off"] is False
+    assert client.get("/api/sessions/current", headers=auth).json["restore_check"]["restoring_off"] is False
+    assert switch.acquire(B).cache == RESTORED
+
+
+def test_slot_file_tokens_reads_both_layouts(tmp_path):
+    import struct
+    plain = tmp_path / "plain.bin"
+    plain.write_bytes(struct.pack("<III3i", 0x67677371, 4, 3, 5, 6, 7) + b"kv")
+    packed = tmp_path / "packed.bin"
+    packed.write_bytes(struct.pack("<III6i", 0x67677371, 4, 6, -1, 1, 3, 5, 6, 7) + b"kv")
+    assert slot_file_tokens(plain) == [5, 6, 7]
+    assert slot_file_tokens(packed) == [5, 6, 7]
+    (tmp_path / "junk.bin").write_bytes(b"nope")
+    assert slot_file_tokens(tmp_path / "junk.bin") is None
+
+
+# -- deleting the active session while llama-server is down ------------------------------
+def test_delete_active_session_while_llama_server_is_down(tmp_path, fake):
+    app = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM, "base_snapshots": False})
+    switch = app.extensions["kvproxy.switch"]
+    turn(switch, A, fake)
+    turn(switch, B, fake)
+    turn(switch, A, fake)
+    assert (tmp_path / f"{A.stem}.bin").exists()
+    fake.mock.reset()                      # llama-server is gone: every call fails to connect
+    reply = app.test_client().delete("/api/sessions/A")
+    assert reply.status_code == 204
+    assert not (tmp_path / f"{A.stem}.bin").exists() and not (tmp_path / f"{A.stem}.json").exists()
+    assert SessionStore(tmp_path).read_state()["active"] == "default"
+    assert switch._slot_view(SessionStore(tmp_path).read_state()) == UNKNOWN
