@@ -3,7 +3,7 @@ import pytest
 import responses
 
 from kvproxy import create_app
-from kvproxy.identity import Session
+from kvproxy.identity import client_key, file_stem, normalise_id
 from tests.fake_llama import UPSTREAM, FakeLlama
 
 
@@ -57,7 +57,7 @@ def test_listing_delete_and_clear(app_and_fake, tmp_path):
 
     chat(client, "b")
     assert client.post("/api/sessions/clear", headers=AUTH).get_json()["session_id"] == "default"
-    assert fake.actions[-2:] == [("save", f"{Session('b', 't').stem}.bin"), ("erase", None)]
+    assert fake.actions[-2:] == [("save", f"{file_stem(client_key('b'))}.bin"), ("erase", None)]
     assert client.get("/api/sessions/current", headers=AUTH).get_json()["session_id"] == "default"
 
 
@@ -69,5 +69,5 @@ def test_hostile_body_ids_cannot_break_reply_headers(app_and_fake, hostile):
     assert reply.status_code == 200 and "X-Evil" not in reply.headers
     from urllib.parse import unquote
     shown = reply.headers["X-KVProxy-Session"]
-    assert shown == hostile or unquote(shown) == hostile
+    assert unquote(shown) == normalise_id(hostile)
     assert "\n" not in shown and shown.isascii()
