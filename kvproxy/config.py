@@ -128,6 +128,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_disk_gb", "100", _non_negative_float,
             "Upper bound on the slot folder's size; past it the least recently used slot files "
             "are deleted (0: no bound)."),
+    Setting("max_body_mb", "64", _positive_float,
+            "Largest request body in MiB (long prompts and base64 images fit); a larger one is "
+            "answered 413 in the client's API format before it is read."),
     Setting("model_name", "", str,
             "Name under which the model is listed; empty: the GGUF file name of llama-server's model."),
     Setting("model_tag", "latest", str,

@@ -14,6 +14,7 @@ import time
 from typing import Any, Callable
 
 from flask import Blueprint, Response, current_app, jsonify, request
+from werkzeug.exceptions import HTTPException
 
 from ..llama import UpstreamError
 from ..relay import ChatCall
@@ -59,6 +60,8 @@ def answers_errors(view: Callable) -> Callable:
             return render_error(exc.status, exc.message)
         except HANDLED as exc:
             return render_error(*failure(exc))
+        except HTTPException:  # e.g. 413: the app's handler answers it in this format
+            raise
         except Exception as exc:  # noqa: BLE001 - a client must still get JSON
             log.exception("ollama route %s failed", request.path)
             return render_error(500, f"kvproxy internal error: {exc.__class__.__name__}")
@@ -248,6 +251,9 @@ def manage(action: str, field: str | None, digest: str = "") -> Response:
     if request.method == "HEAD":
         return Response(status=404)
     model = describe()
+    if digest:  # an upload (``ollama create``): refused without reading a byte of it
+        return render_error(400, ONE_MODEL.format(name=model["name"], action=action),
+                            {"Connection": "close"})
     body = request.get_json(silent=True, force=True)
     if field and isinstance(body, dict) and (body.get(field) or body.get("name")):
         requested_model(body, model, field)
