@@ -75,6 +75,9 @@ class LlamaClient:
         response = self._request(method, path, **kwargs)
         try:
             return response.json()
+        except requests.RequestException as exc:  # the connection broke while reading
+            raise UpstreamUnavailable(
+                f"llama-server at {self.base_url} stopped answering: {exc.__class__.__name__}") from exc
         except ValueError as exc:
             raise UpstreamError(502, f"llama-server sent invalid JSON for {path}") from exc
 
@@ -138,9 +141,18 @@ def sse_events(response: requests.Response) -> Iterator[tuple[bytes, Any]]:
     """Yield ``(raw_event_bytes, parsed_json)`` for each ``data:`` event as it arrives.
 
     ``[DONE]`` yields ``(raw, None)``; comment lines (``: ping``) are skipped.
-    An ``error`` object inside the stream raises ``UpstreamError``.
+    An ``error`` object inside the stream raises ``UpstreamError``; a connection that
+    breaks mid-stream (llama-server killed) raises ``UpstreamUnavailable``.
     """
-    for line in response.iter_lines(chunk_size=None):
+    lines = response.iter_lines(chunk_size=None)
+    while True:
+        try:
+            line = next(lines)
+        except StopIteration:
+            return
+        except requests.RequestException as exc:
+            raise UpstreamUnavailable(
+                f"llama-server stopped answering mid-stream: {exc.__class__.__name__}") from exc
         if not line or line.startswith(b":"):
             continue
         if not line.startswith(b"data:"):

@@ -7,7 +7,7 @@ from typing import Any, Callable, Iterable, Iterator
 from flask import Response, current_app, g, request
 
 from ..llama import UpstreamError, UpstreamUnavailable
-from ..relay import ChatCall, Relay
+from ..relay import ChatCall, Relay, ShuttingDown
 from ..switch import SlotBusy
 
 log = logging.getLogger("kvproxy.dialects")
@@ -48,10 +48,12 @@ def failure(exc: Exception) -> Failure:
         return 502, f"{exc}; check that llama-server is running and KVPROXY_UPSTREAM points at it", {}
     if isinstance(exc, UpstreamError):
         return exc.status, f"llama-server: {exc.message}", {}
+    if isinstance(exc, ShuttingDown):
+        return 503, str(exc), {"Retry-After": "5"}
     raise exc
 
 
-HANDLED = (BadRequest, SlotBusy, UpstreamUnavailable, UpstreamError)
+HANDLED = (BadRequest, SlotBusy, UpstreamUnavailable, UpstreamError, ShuttingDown)
 
 
 def hold_slot_until_closed(response: Response, close: Callable[[], None]) -> None:
@@ -102,7 +104,7 @@ def serve_chat(call: ChatCall, *, stream: bool,
     def body() -> Iterator[bytes]:
         try:
             yield from render_stream(exchange.events())
-        except (UpstreamError, UpstreamUnavailable) as exc:
+        except (UpstreamError, UpstreamUnavailable, ShuttingDown) as exc:
             status, message, _ = failure(exc)
             yield render_stream_error(status, message)
         except Exception:  # a rendering bug must end the stream visibly, not silently
