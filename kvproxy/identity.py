@@ -73,14 +73,19 @@ def text_of(content: Any) -> str:
     return ""
 
 
+def _objects(messages: Iterable[Any]) -> list[Mapping[str, Any]]:
+    """The messages that are objects: anything else is the API's to refuse, not a crash here."""
+    return [m for m in messages if isinstance(m, Mapping)] if isinstance(messages, list) else []
+
+
 def system_prompt(messages: Iterable[Mapping[str, Any]]) -> str:
     """Every system and developer message, joined in order."""
-    return "\n".join(text_of(m.get("content")) for m in messages
+    return "\n".join(text_of(m.get("content")) for m in _objects(messages)
                      if m.get("role") in ("system", "developer"))
 
 
 def first_user_message(messages: Iterable[Mapping[str, Any]]) -> str:
-    for message in messages:
+    for message in _objects(messages):
         if message.get("role") == "user":
             return text_of(message.get("content"))
     return ""
@@ -193,7 +198,7 @@ def is_side_request(messages: list[Mapping[str, Any]], stream: bool, pattern: st
     """OpenWebUI-style background task: not streamed, one user message matching the rule."""
     if stream:
         return False
-    users = [m for m in messages if m.get("role") == "user"]
+    users = [m for m in _objects(messages) if m.get("role") == "user"]
     return len(users) == 1 and re.search(pattern, text_of(users[0].get("content"))) is not None
 
 

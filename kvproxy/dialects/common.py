@@ -1,7 +1,9 @@
 """What every dialect does the same way: read the body, run the call, map failures."""
 from __future__ import annotations
 
+import json
 import logging
+import math
 from typing import Any, Callable, Iterable, Iterator
 
 from flask import Response, current_app, g, request
@@ -28,13 +30,42 @@ def relay() -> Relay:
     return current_app.extensions["kvproxy.relay"]
 
 
+def _finite(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):
+        raise NonFinite(text)
+    return number
+
+
+class NonFinite(ValueError):
+    """NaN, Infinity or a number too large for a double: llama-server's JSON parser refuses them."""
+
+
+def _refuse_constant(name: str) -> float:
+    raise NonFinite(name)
+
+
+def parse_json(data: bytes) -> Any:
+    """Strict JSON: only finite numbers, bounded nesting; BadRequest for anything else."""
+    try:
+        return json.loads(data, parse_constant=_refuse_constant, parse_float=_finite)
+    except NonFinite as exc:
+        raise BadRequest(f"request body holds {exc}, which is not a finite JSON number") from None
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply") from None
+    except ValueError:  # invalid JSON or UTF-8
+        raise BadRequest("request body is not valid JSON") from None
+
+
 def json_body() -> dict:
     """The request's JSON object, or BadRequest with a message a person can act on."""
-    data = request.get_json(silent=True, force=True)
-    if data is None:
-        raise BadRequest("request body is not valid JSON")
+    cached = g.get("kvproxy_json")
+    if cached is not None:
+        return cached
+    data = parse_json(request.get_data(cache=True))
     if not isinstance(data, dict):
         raise BadRequest("request body must be a JSON object")
+    g.kvproxy_json = data
     return data
 
 

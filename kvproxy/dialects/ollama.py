@@ -19,7 +19,7 @@ from werkzeug.exceptions import HTTPException
 from ..llama import UpstreamError
 from ..relay import ChatCall
 from . import ollama_translate as tr
-from .common import HANDLED, failure, json_body, relay, serve_chat
+from .common import HANDLED, BadRequest, failure, json_body, relay, serve_chat
 from .ollama_model import describe
 
 blueprint = Blueprint("ollama", __name__)
@@ -254,7 +254,10 @@ def manage(action: str, field: str | None, digest: str = "") -> Response:
     if digest:  # an upload (``ollama create``): refused without reading a byte of it
         return render_error(400, ONE_MODEL.format(name=model["name"], action=action),
                             {"Connection": "close"})
-    body = request.get_json(silent=True, force=True)
+    try:
+        body = json_body()
+    except BadRequest:
+        body = None
     if field and isinstance(body, dict) and (body.get(field) or body.get("name")):
         requested_model(body, model, field)
     raise tr.Invalid(ONE_MODEL.format(name=model["name"], action=action))
