@@ -37,6 +37,16 @@ def _finite(text: str) -> float:
     return number
 
 
+def _int_as_double(text: str) -> int:
+    """An integer llama-server can hold: it reads numbers past 64 bits as doubles."""
+    number = int(text)
+    try:
+        float(number)
+    except OverflowError:
+        raise NonFinite(text[:20] + "...") from None
+    return number
+
+
 class NonFinite(ValueError):
     """NaN, Infinity or a number too large for a double: llama-server's JSON parser refuses them."""
 
@@ -48,7 +58,8 @@ def _refuse_constant(name: str) -> float:
 def parse_json(data: bytes) -> Any:
     """Strict JSON: only finite numbers, bounded nesting; BadRequest for anything else."""
     try:
-        return json.loads(data, parse_constant=_refuse_constant, parse_float=_finite)
+        return json.loads(data, parse_constant=_refuse_constant, parse_float=_finite,
+                          parse_int=_int_as_double)
     except NonFinite as exc:
         raise BadRequest(f"request body holds {exc}, which is not a finite JSON number") from None
     except RecursionError:
