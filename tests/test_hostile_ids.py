@@ -192,3 +192,17 @@ def test_a_client_naming_a_conversation_gets_its_own_file(app_and_fake):
     back = client.post("/v1/chat/completions", json=mine)
     assert back.headers["X-KVProxy-Cache"] == "restored"
     assert fake.actions[-1] == ("restore", conv_file)
+
+
+def test_a_hostile_client_id_is_listed_and_deleted_by_its_shown_form(app_and_fake):
+    app, fake = app_and_fake
+    client = app.test_client()
+    raw = b'{"user": "\\ud800 a\\nb", "messages": [{"role": "user", "content": "hi"}]}'
+    shown = client.post("/v1/chat/completions", data=raw,
+                        content_type="application/json").headers["X-KVProxy-Session"]
+    client.post("/v1/chat/completions", json={"messages": USER})  # saves the client's file
+    from urllib.parse import quote, unquote
+    listed = [s["session_id"] for s in client.get("/api/sessions").get_json()]
+    assert unquote(shown) in listed
+    assert client.delete("/api/sessions/" + quote(unquote(shown), safe="")).status_code == 204
+    assert unquote(shown) not in [s["session_id"] for s in client.get("/api/sessions").get_json()]
