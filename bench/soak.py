@@ -102,8 +102,8 @@ def make_sessions(config: Config, rng: random.Random) -> list[Session]:
     sessions = []
     for n in range(config.sessions):
         api = APIS[n % len(APIS)]
-        hostile = n >= config.sessions - 2 or n == 3
-        raw = HOSTILE_IDS[n % len(HOSTILE_IDS)] if hostile else f"soak-{n}-{rng.randrange(10**6)}"
+        hostile = [3, 5, 6, 7].index(n) if n in (3, 5, 6, 7) else None
+        raw = HOSTILE_IDS[hostile] if hostile is not None else f"soak-{n}-{rng.randrange(10**6)}"
         fields = ID_FIELDS[api]
         field_name = fields[n % len(fields)]
         if field_name.startswith("header:") and not all(ord(c) < 128 and c.isprintable()

@@ -125,6 +125,8 @@ FIELDS = ["messages", "prompt", "input", "system", "tools", "tool_choice", "opti
 def mutated(draw, route: str):
     """The route's valid body with some fields replaced by generated JSON."""
     body = dict(ROUTES[route])
+    if draw(st.booleans()):
+        body["stream"] = True  # errors must also end a stream properly
     for field in draw(st.lists(st.sampled_from(FIELDS), min_size=1, max_size=3, unique=True)):
         if field == "messages":
             body[field] = draw(MESSAGES)
