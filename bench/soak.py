@@ -48,11 +48,11 @@ class Config:
     clients: int = 32
     sessions: int = 8
     seconds: float = 300.0
-    max_tokens: int = 8
+    max_tokens: int = 4
     disconnect_share: float = 0.1
     stream_share: float = 0.5
     read_share: float = 0.4  # turns that ask about the history without adding to it
-    system_words: int = 110
+    system_words: int = 60
     seed: int = 1
 
 
@@ -92,7 +92,10 @@ class Outcome:
 
 
 # -- sessions -----------------------------------------------------------------------------
-HOSTILE_IDS = ["soak\u2028line \ud800 \x07", "s" * 3000 + "-long", "default", "conv-0123456789abcdef"]
+# Sessions 3, 5, 6 and 7 name themselves with these. A lone surrogate goes where kvproxy does
+# not forward it (Anthropic's metadata): llama-server's JSON parser refuses one with a 400.
+HOSTILE_IDS = ["soak\u2028line\t\x07", "s" * 3000 + "-long", "default",
+               "conv-0123456789abcdef \ud800"]
 ID_FIELDS = {"openai": ["header:X-Session-Id", "user", "prompt_cache_key"],
              "anthropic": ["metadata.user_id", "header:X-Claude-Code-Session-Id"],
              "ollama": ["header:X-Session-Id", "session_id"]}
@@ -252,7 +255,7 @@ class Soak:
             question = f"Turn {len(history) // 2 + 1}: what is rule {rng.randint(1, 9)}?"
             messages = history + [{"role": "user", "content": question}]
             path, headers, body = request_for(session, messages, stream, self.config.max_tokens
-                                              if kind != "disconnect" else 64)
+                                              if kind != "disconnect" else 32)
             outcome = Outcome(session.api, session.number, kind, stream, proxy, 0.0, "")
             started = time.monotonic()
             try:
