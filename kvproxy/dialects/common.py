@@ -1,9 +1,7 @@
 """What every dialect does the same way: read the body, run the call, map failures."""
 from __future__ import annotations
 
-import json
 import logging
-import math
 from typing import Any, Callable, Iterable, Iterator
 
 from flask import Response, current_app, g, request
@@ -11,6 +9,7 @@ from flask import Response, current_app, g, request
 from ..llama import UpstreamError, UpstreamUnavailable
 from ..relay import ChatCall, Relay, ShuttingDown
 from ..switch import SlotBusy
+from . import strict_json
 
 log = logging.getLogger("kvproxy.dialects")
 
@@ -30,53 +29,14 @@ def relay() -> Relay:
     return current_app.extensions["kvproxy.relay"]
 
 
-def _finite(text: str) -> float:
-    number = float(text)
-    if not math.isfinite(number):
-        raise NonFinite(text)
-    return number
-
-
-def _int_as_double(text: str) -> int:
-    """An integer llama-server can hold: it reads numbers past 64 bits as doubles."""
-    number = int(text)
-    try:
-        float(number)
-    except OverflowError:
-        raise NonFinite(text[:20] + "...") from None
-    return number
-
-
-class NonFinite(ValueError):
-    """NaN, Infinity or a number too large for a double: llama-server's JSON parser refuses them."""
-
-
-def _refuse_constant(name: str) -> float:
-    raise NonFinite(name)
-
-
-def parse_json(data: bytes) -> Any:
-    """Strict JSON: only finite numbers, bounded nesting; BadRequest for anything else."""
-    try:
-        return json.loads(data, parse_constant=_refuse_constant, parse_float=_finite,
-                          parse_int=_int_as_double)
-    except NonFinite as exc:
-        raise BadRequest(f"request body holds {exc}, which is not a finite JSON number") from None
-    except RecursionError:
-        raise BadRequest("request body is nested too deeply") from None
-    except ValueError:  # invalid JSON or UTF-8
-        raise BadRequest("request body is not valid JSON") from None
-
-
 def json_body() -> dict:
     """The request's JSON object, or BadRequest with a message a person can act on."""
-    cached = g.get("kvproxy_json")
-    if cached is not None:
-        return cached
-    data = parse_json(request.get_data(cache=True))
+    try:
+        data = strict_json.parse(request.get_data(cache=True))
+    except strict_json.Refused as exc:
+        raise BadRequest(str(exc)) from None
     if not isinstance(data, dict):
         raise BadRequest("request body must be a JSON object")
-    g.kvproxy_json = data
     return data
 
 
