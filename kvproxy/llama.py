@@ -7,6 +7,7 @@ knows about sessions, locks or client wire formats.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Iterator
 
 import requests
@@ -34,6 +35,18 @@ def _error_message(response: requests.Response) -> str:
     if isinstance(error, dict):
         return str(error.get("message", error))
     return str(error or body)
+
+
+# llama-server answers some malformed requests with a 500 (a parse exception in its
+# handler); they are the client's fault and are passed on as a 400.
+_CLIENT_FAULTS = re.compile(r"Failed to parse|json\.exception\.(?:type_error|parse_error)"
+                            r"|image input is not supported|audio input is not supported")
+
+
+def upstream_error(status: int, message: str) -> "UpstreamError":
+    if status == 500 and _CLIENT_FAULTS.search(message):
+        status = 400
+    return UpstreamError(status, message)
 
 
 class LlamaClient:
@@ -68,7 +81,7 @@ class LlamaClient:
         if response.status_code >= 400:
             message = _error_message(response)
             response.close()
-            raise UpstreamError(response.status_code, message)
+            raise upstream_error(response.status_code, message)
         return response
 
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:
@@ -169,6 +182,6 @@ def sse_events(response: requests.Response) -> Iterator[tuple[bytes, Any]]:
         if isinstance(event, dict) and "error" in event and not event.get("choices"):
             error = event["error"]
             message = error.get("message", str(error)) if isinstance(error, dict) else str(error)
-            raise UpstreamError(int(error.get("code", 500)) if isinstance(error, dict) else 500,
-                                message)
+            code = error.get("code", 500) if isinstance(error, dict) else 500
+            raise upstream_error(code if isinstance(code, int) else 500, message)
         yield raw, event

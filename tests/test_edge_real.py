@@ -197,3 +197,19 @@ def test_sigterm_ends_a_long_stream_and_saves_the_session(edge):
                                             "max_tokens": 2})
     assert back.status_code == 200
     assert back.json()["timings"]["cache_n"] > 10
+
+
+# -- input llama-server cannot use ------------------------------------------------------------
+@pytest.mark.parametrize("body", [
+    {"messages": [{"role": 5, "content": "a"}]},                       # llama-server: 500
+    {"messages": [{"role": "user", "content": "a"}], "tools": "x"},    # llama-server: 500
+    {"messages": [{"role": "user", "content": 5}]},                    # llama-server: 400
+    {"messages": [{"role": "user", "content": "a"}], "temperature": float("nan")},
+])
+def test_unusable_input_is_a_400_in_openai_shape(edge, body):
+    data = json.dumps({**body, "max_tokens": 1}).encode()
+    reply = requests.post(edge.url + "/v1/chat/completions", data=data, timeout=60,
+                          headers={"content-type": "application/json"})
+    assert reply.status_code == 400, reply.text
+    assert set(reply.json()["error"]) == {"message", "type", "param", "code"}
+    answered_at_once(edge.url)

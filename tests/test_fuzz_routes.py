@@ -25,29 +25,39 @@ FUZZ = settings(max_examples=100, deadline=None, derandomize=True,
 LLAMA_400 = {"error": {"code": 400, "message": "invalid request", "type": "invalid_request_error"}}
 
 
-def llama_would_refuse(path: str, body: dict) -> bool:
-    """The shapes llama-server's OpenAI endpoints reject with a 400."""
+LLAMA_500 = {"error": {"code": 500, "type": "server_error", "message":
+                       "Failed to parse messages: [json.exception.type_error.302] type must be "
+                       "string, but is number"}}
+
+
+def llama_would_refuse(path: str, body: dict) -> dict | None:
+    """The error llama-server's OpenAI endpoints answer a body with, or None.
+
+    As the real one, it answers some malformed messages and tools with a 500.
+    """
     if path.endswith("/chat/completions"):
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            return True
+            return LLAMA_400
         for message in messages:
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                return True
+            if not isinstance(message, dict):
+                return LLAMA_400
+            if not isinstance(message.get("role"), str):
+                return LLAMA_500
             content = message.get("content")
             if content is not None and not isinstance(content, (str, list)):
-                return True
+                return LLAMA_400
             if isinstance(content, list) and not all(isinstance(p, dict) for p in content):
-                return True
+                return LLAMA_400
         tools = body.get("tools")
         if tools is not None and not isinstance(tools, list):
-            return True
+            return LLAMA_500
     if path.endswith("/completions") and not path.endswith("chat/completions"):
         if not isinstance(body.get("prompt"), (str, list)):
-            return True
+            return LLAMA_400
     if path.endswith("/embeddings") and not isinstance(body.get("input"), (str, list)):
-        return True
-    return False
+        return LLAMA_400
+    return None
 
 
 def refuse_constant(name: str):
@@ -62,8 +72,10 @@ def install_llama(mock: responses.RequestsMock, fake: FakeLlama) -> None:
             return 500, {"Content-Type": "application/json"}, json.dumps(
                 {"error": {"code": 500, "message": "[json.exception.parse_error.101] parse error"}})
         path = request.path_url
-        if llama_would_refuse(path, body):
-            return 400, {"Content-Type": "application/json"}, json.dumps(LLAMA_400)
+        refusal = llama_would_refuse(path, body)
+        if refusal:
+            return refusal["error"]["code"], {"Content-Type": "application/json"}, \
+                json.dumps(refusal)
         if path.endswith("/embeddings"):
             return 200, {"Content-Type": "application/json"}, json.dumps(
                 {"data": [{"index": 0, "embedding": [0.1, 0.2]}], "usage": {"prompt_tokens": 1}})
