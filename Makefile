@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
 BUILD_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: setup run test test-unit test-deploy nginx mutate bench clean
+.PHONY: setup run test test-unit test-deploy nginx mutate bench soak clean
 setup: $(VENV)/.requirements $(VENV)/.llama-server $(VENV)/.model
 
 $(VENV)/bin/python:
@@ -75,6 +75,10 @@ mutate: $(VENV)/.requirements
 
 bench: setup
 	$(BIN)/python -m bench.run
+
+# Minutes of load against the real llama-server; not part of `make test` (a short one is).
+soak: setup
+	$(BIN)/python -m bench.soak --seconds $${SOAK_SECONDS:-300}
 
 clean:
 	rm -rf $(VENV) var mutants

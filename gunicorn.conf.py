@@ -29,6 +29,28 @@ loglevel = os.environ.get("KVPROXY_LOG_LEVEL", "info").lower()
 control_socket_disable = True
 
 
+# On SIGTERM a running stream may go on this long, then ends with an error event in its
+# API's format, so the slot is free for worker_exit to save the session within graceful_timeout
+# (20 s are kept for that save).
+stop_grace = float(os.environ.get("KVPROXY_STOP_GRACE", max(0, graceful_timeout - 20)))
+
+
+def post_worker_init(worker):
+    """Start the stream deadline when the worker is told to stop, before gunicorn's handler."""
+    import signal
+
+    from kvproxy.relay import begin_shutdown
+
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum, frame):
+        begin_shutdown(stop_grace)
+        if callable(previous):
+            previous(signum, frame)
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
 def worker_exit(server, worker):
     """Save the session the slot holds, so restarting both processes loses nothing."""
     app = getattr(worker, "wsgi", None)

@@ -56,13 +56,14 @@ def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
     app.extensions["kvproxy.relay"] = Relay(settings, client, switch)
     app.wsgi_app = FreeHeldSlots(app.wsgi_app)
 
-    from . import admin, metrics, ops
+    from . import admin, body_limit, metrics, ops
     from .dialects import anthropic, errors, llamacpp, ollama, openai, passthrough
     for blueprint in (ops.blueprint, openai.blueprint, ollama.blueprint, anthropic.blueprint,
                       llamacpp.blueprint, passthrough.blueprint):
         app.register_blueprint(blueprint)
     api = Api(app)
     api.register_blueprint(admin.blueprint)
+    body_limit.init_app(app)
     errors.init_app(app, api)
     metrics.init_app(app)
     return app

@@ -154,6 +154,9 @@ SETTINGS: tuple[Setting, ...] = (
             "Free space kept on the slot folder's filesystem: before a save, least recently used "
             "slot files are deleted to keep it; when even that cannot, the swap is refused with 503 "
             "and nothing is written (0: only refuse a save that does not fit at all)."),
+    Setting("max_body_mb", "64", _number(0, 1e6, above_low=True),
+            "Largest request body in MiB (long prompts and base64 images fit); a larger one is "
+            "answered 413 in the client's API format before it is read."),
     Setting("model_name", "", str,
             "Name under which the model is listed; empty: the GGUF file name of llama-server's model."),
     Setting("model_tag", "latest", str,

@@ -1,13 +1,17 @@
 """Which session a request belongs to, and the file name that session may use.
 
-Pure functions: no I/O. Ids arrive in untrusted headers and bodies, so
-``file_stem`` turns any id into a name that cannot leave the slot folder and
-that llama-server's filename check accepts.
+Pure functions: no I/O. Ids arrive in untrusted headers and bodies, so every
+client id is normalised once here (``normalise_id``: printable, bounded, no
+lone surrogates) before anything logs it, sends it back in a header or keys a
+file by it, and lives in its own ``client:`` namespace so that no client can
+name an internal session. ``file_stem`` turns any key into a name that cannot
+leave the slot folder and that llama-server's filename check accepts.
 """
 from __future__ import annotations
 
 import hashlib
 import re
+import unicodedata
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
@@ -23,7 +27,15 @@ DESIGN_BODY_FIELDS = ("session_id", "conversation_id", "chat_id")
 _CHAT_ID = re.compile(
     r"^(?:[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}"
     r"|(?:chat|conv|conversation|session)[-_:][A-Za-z0-9_.:-]{1,120})$")
-_MAX_ID_CHARS = 1024
+# Longer ids keep their first characters and a hash of the whole id instead of the rest.
+MAX_ID_CHARS = 128
+_KEPT_CHARS = 64
+# Unicode categories that must not reach a log line or a header as they are:
+# controls, format characters, line/paragraph separators, surrogates, private use, unassigned.
+_ESCAPED_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
+# Client ids are keyed under this prefix; internal keys (default, side, conv-..., sys-...,
+# base snapshots) never start with it, so no header or body value can name one of them.
+CLIENT_NAMESPACE = "client:"
 
 
 @dataclass(frozen=True)
@@ -61,14 +73,19 @@ def text_of(content: Any) -> str:
     return ""
 
 
+def _objects(messages: Iterable[Any]) -> list[Mapping[str, Any]]:
+    """The messages that are objects: anything else is the API's to refuse, not a crash here."""
+    return [m for m in messages if isinstance(m, Mapping)] if isinstance(messages, list) else []
+
+
 def system_prompt(messages: Iterable[Mapping[str, Any]]) -> str:
     """Every system and developer message, joined in order."""
-    return "\n".join(text_of(m.get("content")) for m in messages
+    return "\n".join(text_of(m.get("content")) for m in _objects(messages)
                      if m.get("role") in ("system", "developer"))
 
 
 def first_user_message(messages: Iterable[Mapping[str, Any]]) -> str:
-    for message in messages:
+    for message in _objects(messages):
         if message.get("role") == "user":
             return text_of(message.get("content"))
     return ""
@@ -93,6 +110,55 @@ def base_stem(system_hash: str) -> str:
     return f"base.{system_hash}"
 
 
+def normalise_id(text: str) -> str:
+    """A client's id as kvproxy shows, logs and keys it: one printable line of bounded length.
+
+    Lone surrogates, control and other invisible characters become ``\\uXXXX``
+    escapes (readable, and safe in a log line, a JSON file and a header);
+    an id longer than ``MAX_ID_CHARS`` keeps its start plus a hash of the
+    whole, so long ids that differ only at the end stay apart.
+    """
+    out = []
+    for char in text:
+        code = ord(char)
+        if unicodedata.category(char) in _ESCAPED_CATEGORIES:
+            out.append(f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}")
+        else:
+            out.append(char)
+    clean = "".join(out).strip()
+    if len(clean) > MAX_ID_CHARS:
+        digest = hashlib.sha256(clean.encode("utf-8")).hexdigest()[:16]
+        clean = f"{clean[:_KEPT_CHARS]}~{digest}"
+    return clean
+
+
+def header_text(value: str) -> str:
+    """A header value as the client sent it: WSGI hands headers over as latin-1 text, so
+    UTF-8 bytes are decoded again, and bytes that are not UTF-8 become ``\\xNN`` escapes."""
+    try:
+        return value.encode("latin-1").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # already decoded (test clients)
+        return value
+
+
+def client_key(client_id: str, system_hash: str | None = None) -> str:
+    """The slot key of a client's id: in the client namespace, paired with its system prompt."""
+    key = CLIENT_NAMESPACE + client_id
+    return f"{key}#{system_hash}" if system_hash else key
+
+
+def kind_of_key(key: str | None) -> str:
+    """What kind of session a key names, for labels that must not identify a person."""
+    if not key:
+        return "none"
+    if key.startswith(CLIENT_NAMESPACE):
+        return "client"
+    for prefix, kind in (("conv-", "conversation"), ("sys-", "system")):
+        if key.startswith(prefix):
+            return kind
+    return key if key in (DEFAULT_SESSION, SIDE_SESSION) else "other"
+
+
 def _body_value(body: Mapping[str, Any], dotted: str) -> Any:
     value: Any = body
     for key in dotted.split("."):
@@ -105,8 +171,8 @@ def _body_value(body: Mapping[str, Any], dotted: str) -> Any:
 def _usable(value: Any) -> str | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         value = str(value)
-    if isinstance(value, str) and value.strip():
-        return value.strip()[:_MAX_ID_CHARS]
+    if isinstance(value, str):
+        return normalise_id(value) or None
     return None
 
 
@@ -114,7 +180,8 @@ def explicit_id(headers: Mapping[str, str], body: Mapping[str, Any],
                 header_names: Iterable[str]) -> tuple[str, str] | None:
     """The id a client named, with its source, or None."""
     for name in header_names:
-        value = _usable(headers.get(name))
+        raw = headers.get(name)
+        value = _usable(header_text(raw) if isinstance(raw, str) else raw)
         if value:
             return value, f"header:{name}"
     for field in CLIENT_BODY_FIELDS + DESIGN_BODY_FIELDS:
@@ -131,7 +198,7 @@ def is_side_request(messages: list[Mapping[str, Any]], stream: bool, pattern: st
     """OpenWebUI-style background task: not streamed, one user message matching the rule."""
     if stream:
         return False
-    users = [m for m in messages if m.get("role") == "user"]
+    users = [m for m in _objects(messages) if m.get("role") == "user"]
     return len(users) == 1 and re.search(pattern, text_of(users[0].get("content"))) is not None
 
 
@@ -150,8 +217,8 @@ def resolve(headers: Mapping[str, str], body: Mapping[str, Any],
         return Session(SIDE_SESSION, "side-request", persistent=False)
     named = explicit_id(headers, body, header_names)
     if named:
-        key = f"{named[0]}#{system_hash}" if system_hash else named[0]
-        return Session(named[0], named[1], system_hash=system_hash, key=key)
+        return Session(named[0], named[1], system_hash=system_hash,
+                       key=client_key(named[0], system_hash))
     first_user = first_user_message(messages)
     if anonymous == "conversation" and (system or first_user):
         return Session("conv-" + short_hash(system, first_user), "conversation-hash",

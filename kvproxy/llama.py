@@ -7,6 +7,7 @@ knows about sessions, locks or client wire formats.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Iterator
 
 import requests
@@ -34,6 +35,18 @@ def _error_message(response: requests.Response) -> str:
     if isinstance(error, dict):
         return str(error.get("message", error))
     return str(error or body)
+
+
+# llama-server answers some malformed requests with a 500 (a parse exception in its
+# handler); they are the client's fault and are passed on as a 400.
+_CLIENT_FAULTS = re.compile(r"Failed to parse|json\.exception\.(?:type_error|parse_error)"
+                            r"|image input is not supported|audio input is not supported")
+
+
+def upstream_error(status: int, message: str) -> "UpstreamError":
+    if status == 500 and _CLIENT_FAULTS.search(message):
+        status = 400
+    return UpstreamError(status, message)
 
 
 class LlamaClient:
@@ -68,13 +81,16 @@ class LlamaClient:
         if response.status_code >= 400:
             message = _error_message(response)
             response.close()
-            raise UpstreamError(response.status_code, message)
+            raise upstream_error(response.status_code, message)
         return response
 
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:
         response = self._request(method, path, **kwargs)
         try:
             return response.json()
+        except requests.RequestException as exc:  # the connection broke while reading
+            raise UpstreamUnavailable(
+                f"llama-server at {self.base_url} stopped answering: {exc.__class__.__name__}") from exc
         except ValueError as exc:
             raise UpstreamError(502, f"llama-server sent invalid JSON for {path}") from exc
 
@@ -167,10 +183,19 @@ def sse_events(response: requests.Response) -> Iterator[tuple[bytes, Any]]:
     ``[DONE]`` yields ``(raw, None)``; comment lines (``: ping``) are skipped.
     An ``event:`` line (the Responses API names its events) stays in the raw
     bytes in front of its data, so a relayed stream keeps it.
-    An ``error`` object inside the stream raises ``UpstreamError``.
+    An ``error`` object inside the stream raises ``UpstreamError``; a connection that
+    breaks mid-stream (llama-server killed) raises ``UpstreamUnavailable``.
     """
     name = b""
-    for line in response.iter_lines(chunk_size=None):
+    lines = response.iter_lines(chunk_size=None)
+    while True:
+        try:
+            line = next(lines)
+        except StopIteration:
+            return
+        except requests.RequestException as exc:
+            raise UpstreamUnavailable(
+                f"llama-server stopped answering mid-stream: {exc.__class__.__name__}") from exc
         if not line or line.startswith(b":"):
             continue
         if line.startswith(b"event:"):
@@ -190,6 +215,6 @@ def sse_events(response: requests.Response) -> Iterator[tuple[bytes, Any]]:
         if isinstance(event, dict) and "error" in event and not event.get("choices"):
             error = event["error"]
             message = error.get("message", str(error)) if isinstance(error, dict) else str(error)
-            raise UpstreamError(int(error.get("code", 500)) if isinstance(error, dict) else 500,
-                                message)
+            code = error.get("code", 500) if isinstance(error, dict) else 500
+            raise upstream_error(code if isinstance(code, int) else 500, message)
         yield raw, event

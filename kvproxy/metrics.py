@@ -7,6 +7,7 @@ process changed the folder. ``init_app`` wires both into an app.
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -15,6 +16,8 @@ from typing import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from . import identity
 
 REGISTRY = CollectorRegistry()
 
@@ -50,6 +53,9 @@ EVICTIONS = Counter("kvproxy_evictions_total",
                     registry=REGISTRY)
 EVICTED_BYTES = Counter("kvproxy_evicted_bytes_total", "Bytes of slot files deleted by eviction",
                         registry=REGISTRY)
+
+ACTIVE_HELP = ("The kind of session the slot holds (value 1): client (an id the client sent), "
+               "conversation, system, default or side")
 
 log = logging.getLogger("kvproxy.requests")
 
@@ -116,8 +122,8 @@ class SlotFolderCollector(Collector):
         # Fixed families, so registration checks names without touching the disk.
         yield GaugeMetricFamily("kvproxy_slot_dir_bytes", "Bytes of *.bin slot files in the slot folder")
         yield GaugeMetricFamily("kvproxy_slot_dir_files", "Number of *.bin slot files in the slot folder")
-        yield GaugeMetricFamily("kvproxy_active_session", "The session the slot holds (value 1)",
-                                labels=["session", "persistent"])
+        yield GaugeMetricFamily("kvproxy_active_session", ACTIVE_HELP,
+                                labels=["kind", "persistent"])
         yield GaugeMetricFamily("kvproxy_slot_tokens", "Tokens the slot holds, as last recorded")
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
@@ -134,11 +140,12 @@ class SlotFolderCollector(Collector):
                                 "Bytes of *.bin slot files in the slot folder", value=n_bytes)
         yield GaugeMetricFamily("kvproxy_slot_dir_files",
                                 "Number of *.bin slot files in the slot folder", value=n_files)
-        active = GaugeMetricFamily("kvproxy_active_session", "The session the slot holds (value 1)",
-                                   labels=["session", "persistent"])
+        active = GaugeMetricFamily("kvproxy_active_session", ACTIVE_HELP,
+                                   labels=["kind", "persistent"])
         if state.get("active"):
-            active.add_metric([str(state["active"]),
-                               "true" if state.get("active_persistent") else "false"], 1)
+            # The kind of id, never the id: ids can be e-mail addresses (OpenAI's ``user``).
+            kind = identity.kind_of_key(state.get("active_key") or state["active"])
+            active.add_metric([kind, "true" if state.get("active_persistent") else "false"], 1)
         yield active
         yield GaugeMetricFamily("kvproxy_slot_tokens", "Tokens the slot holds, as last recorded",
                                 value=int(state.get("slot_tokens") or 0))
@@ -149,11 +156,16 @@ REGISTRY.register(SLOT_FOLDER)
 
 
 def _fmt(value: object) -> str:
-    """A log field value: bare when simple, quoted otherwise."""
+    """A log field value: bare when simple, quoted otherwise; one event stays one line,
+    so control characters, line separators and lone surrogates are escaped."""
     text = "-" if value is None or value == "" else str(value)
-    if any(c in text for c in ' "=\n'):
-        return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-    return text
+    if text.isascii() and text.isprintable() and not any(c in text for c in ' "=\\'):
+        return text
+    escaped = json.dumps(text, ensure_ascii=False)[1:-1]  # \n, \", \\, \u0007 ...
+    escaped = "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace")
+                      .decode("ascii") for c in escaped)
+    return f'"{escaped}"'
+
 
 
 def format_request_line(fields: dict) -> str:

@@ -21,6 +21,24 @@ from .switch import Lease, SlotSwitch
 MODEL_FACTS_TTL = 10.0
 
 
+class ShuttingDown(RuntimeError):
+    """kvproxy is stopping: a stream still running past the grace period ends early,
+    so its slot is freed in time for the session to be saved on the way out."""
+
+
+_stop_at: list[float] = []  # monotonic deadline for running streams, set once at shutdown
+
+
+def begin_shutdown(grace: float) -> None:
+    """Called on SIGTERM (gunicorn.conf.py): streams may run ``grace`` seconds more."""
+    if not _stop_at:
+        _stop_at.append(time.monotonic() + grace)
+
+
+def past_shutdown_grace() -> bool:
+    return bool(_stop_at) and time.monotonic() >= _stop_at[0]
+
+
 @dataclass
 class ChatCall:
     """One generation request, already in llama-server's OpenAI-style shape."""
@@ -87,6 +105,9 @@ class Exchange:
     def events(self) -> Iterator[tuple[bytes, dict | None]]:
         """Upstream SSE events as ``(raw bytes, parsed)``, as they arrive."""
         for raw, event in sse_events(self._response):
+            if past_shutdown_grace():
+                raise ShuttingDown("kvproxy is shutting down: the answer was cut short; "
+                                   "send the request again")
             if isinstance(event, dict) and isinstance(event.get("timings"), dict):
                 self.timings = event["timings"]
             yield raw, event

@@ -66,7 +66,8 @@ def header_safe(text: str) -> str:
     so a hostile id from a request body can neither break nor inject response headers."""
     if text.isascii() and text.isprintable() and "%" not in text:
         return text
-    return quote(text, safe="")
+    # backslashreplace: a lone surrogate cannot be UTF-8 encoded and must not raise here.
+    return quote(text.encode("utf-8", "backslashreplace"), safe="")
 
 
 class SlotSwitch:

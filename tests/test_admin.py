@@ -5,7 +5,7 @@ import pytest
 import responses
 
 from kvproxy import create_app
-from kvproxy.identity import Session
+from kvproxy.identity import client_key, file_stem, normalise_id
 from tests.fake_llama import UPSTREAM, FakeLlama
 
 
@@ -59,7 +59,7 @@ def test_listing_delete_and_clear(app_and_fake, tmp_path):
 
     chat(client, "b")
     assert client.post("/api/sessions/clear", headers=AUTH).get_json()["session_id"] == "default"
-    assert fake.actions[-2:] == [("save", f"{Session('b', 't').stem}.saving.bin"), ("erase", None)]
+    assert fake.actions[-2:] == [("save", f"{file_stem(client_key('b'))}.saving.bin"), ("erase", None)]
     assert client.get("/api/sessions/current", headers=AUTH).get_json()["session_id"] == "default"
 
 
@@ -73,5 +73,7 @@ def test_hostile_body_ids_cannot_break_reply_headers(app_and_fake, hostile, show
     reply = app.test_client().post("/v1/chat/completions", json={
         "session_id": hostile, "messages": [{"role": "user", "content": "hi"}]})
     assert reply.status_code == 200 and "X-Evil" not in reply.headers
-    assert reply.headers["X-KVProxy-Session"] == shown
-    assert unquote(shown) == hostile
+    from urllib.parse import unquote
+    shown = reply.headers["X-KVProxy-Session"]
+    assert unquote(shown) == normalise_id(hostile)
+    assert "\n" not in shown and shown.isascii()

@@ -127,7 +127,7 @@ def test_active_session_comes_from_the_state_file(app):
     app.extensions["kvproxy.switch"].store.write_state(
         {"active": "conv-abc", "active_persistent": True, "slot_tokens": 42})
     families = scrape(client)
-    assert sample(families, "kvproxy_active_session", session="conv-abc", persistent="true") == 1
+    assert sample(families, "kvproxy_active_session", kind="conversation", persistent="true") == 1
     assert sample(families, "kvproxy_slot_tokens") == 42
 
 
@@ -160,7 +160,29 @@ def test_a_request_is_counted_and_logged_with_session_and_cache(app, upstream, c
         assert (sample(after, "kvproxy_prompt_tokens", "kvproxy_prompt_tokens_total", kind=kind)
                 == sample(before, "kvproxy_prompt_tokens", "kvproxy_prompt_tokens_total",
                           kind=kind) + n)
-    assert sample(after, "kvproxy_active_session", session=session, persistent="true") == 1
+    assert sample(after, "kvproxy_active_session", kind="conversation", persistent="true") == 1
+
+
+def test_metrics_never_show_a_client_id(app, upstream):
+    """Ids can be e-mail addresses (OpenAI's ``user``): /metrics labels the kind, not the id."""
+    add_chat(upstream, stream=False)
+    client = app.test_client()
+    response = client.post("/v1/chat/completions",
+                           json={"user": "alice@example.com",
+                                 "messages": [{"role": "user", "content": "hello"}]})
+    assert response.status_code == 200
+    assert response.headers["X-KVProxy-Session"] == "alice@example.com"
+    text = client.get("/metrics").get_data(as_text=True)
+    assert "alice" not in text and "example.com" not in text
+    assert sample(scrape(client), "kvproxy_active_session", kind="client", persistent="true") == 1
+
+
+@pytest.mark.parametrize("value", ["a\nb", "a\rb\u2028c", "\ud800", "x\x1b[31mred", "é \"q\" \\"])
+def test_log_fields_stay_on_one_printable_line(value):
+    line = metrics.format_request_line({"session": value, "status": 200})
+    assert line.isprintable() and "\n" not in line
+    assert line.encode("utf-8")  # no lone surrogate left to crash a log handler
+    assert line.endswith(" status=200")
 
 
 def test_a_streamed_request_is_logged_when_it_closes(app, upstream, caplog):
@@ -230,4 +252,4 @@ def test_real_switch_shows_in_metrics(stack, http):
     assert sample(after, "kvproxy_slot_dir_bytes") > 0
     active = [dict(labels) for (name, labels), value
               in after["kvproxy_active_session"]["samples"].items() if value == 1]
-    assert [a["session"] for a in active] == [again.headers["X-KVProxy-Session"]]
+    assert active == [{"kind": "conversation", "persistent": "true"}]

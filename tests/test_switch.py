@@ -5,7 +5,7 @@ import pytest
 import responses
 
 from kvproxy import create_app
-from kvproxy.identity import Session, base_stem
+from kvproxy.identity import Session, base_stem, client_key, file_stem
 from kvproxy.llama import LlamaClient
 from kvproxy.store import SessionStore
 from kvproxy.switch import BASE, HIT, MISS, RESTORED, SlotBusy, SlotSwitch, fingerprint_key
@@ -214,7 +214,7 @@ def test_whole_answer_holds_the_slot_until_the_reply_is_closed(tmp_path, fake):
                                    json={"messages": [{"role": "user", "content": "hi"}]},
                                    buffered=False)
     assert reply.status_code == 200 and reply.json["choices"]
-    stem = Session("held", "header").stem
+    stem = file_stem(client_key("held"))
     assert switch._thread_lock.locked()
     assert not (SessionStore(tmp_path).read_sidecar(stem) or {}).get("hits")
     reply.close()

@@ -9,9 +9,10 @@ from typing import Any, Callable, Iterable, Iterator
 from flask import Response, current_app, request
 
 from ..llama import UpstreamError, UpstreamUnavailable
-from ..relay import ChatCall, Relay
+from ..relay import ChatCall, Relay, ShuttingDown
 from ..slotlock import SlotUnavailable
 from ..store import StorageError
+from . import strict_json
 
 log = logging.getLogger("kvproxy.dialects")
 
@@ -33,9 +34,10 @@ def relay() -> Relay:
 
 def json_body() -> dict:
     """The request's JSON object, or BadRequest with a message a person can act on."""
-    data = request.get_json(silent=True, force=True)
-    if data is None:
-        raise BadRequest("request body is not valid JSON")
+    try:
+        data = strict_json.parse(request.get_data(cache=True))
+    except strict_json.Refused as exc:
+        raise BadRequest(str(exc)) from None
     if not isinstance(data, dict):
         raise BadRequest("request body must be a JSON object")
     return data
@@ -53,10 +55,13 @@ def failure(exc: Exception) -> Failure:
         return 502, f"{exc}; check that llama-server is running and KVPROXY_UPSTREAM points at it", {}
     if isinstance(exc, UpstreamError):
         return exc.status, f"llama-server: {exc.message}", {}
+    if isinstance(exc, ShuttingDown):
+        return 503, str(exc), {"Retry-After": "5"}
     raise exc
 
 
-HANDLED = (BadRequest, SlotUnavailable, StorageError, UpstreamUnavailable, UpstreamError)
+HANDLED = (BadRequest, SlotUnavailable, StorageError, UpstreamUnavailable, UpstreamError,
+           ShuttingDown)
 CLOSERS = "kvproxy.slot_closers"
 
 
@@ -189,7 +194,7 @@ def serve_chat(call: ChatCall, *, stream: bool,
     def body() -> Iterator[bytes]:
         try:
             yield from render_stream(exchange.events())
-        except (UpstreamError, UpstreamUnavailable) as exc:
+        except (UpstreamError, UpstreamUnavailable, ShuttingDown) as exc:
             status, message, _ = failure(exc)
             yield render_stream_error(status, message)
         except Exception:  # a rendering bug must end the stream visibly, not silently

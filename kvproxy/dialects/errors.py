@@ -41,6 +41,9 @@ def init_app(app: Flask, api) -> None:
         if status == 500:
             free_held_slot()
         message = exc.description if status != 500 else "internal error in kvproxy; see its log"
+        headers = {"Allow": exc.valid_methods and ", ".join(exc.valid_methods)} \
+            if status == 405 else {}
+        if status == 413:  # the unread rest of the body must not be taken for a next request
+            headers["Connection"] = "close"
         return renderer_for(request.path)(status, f"{request.method} {request.path}: {message}",
-                                          {"Allow": exc.valid_methods and ", ".join(exc.valid_methods)}
-                                          if status == 405 else {})
+                                          headers)

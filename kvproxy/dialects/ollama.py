@@ -14,11 +14,12 @@ import time
 from typing import Any, Callable
 
 from flask import Blueprint, Response, current_app, jsonify, request
+from werkzeug.exceptions import HTTPException
 
 from ..llama import UpstreamError
 from ..relay import ChatCall
 from . import ollama_translate as tr
-from .common import HANDLED, failure, json_body, relay, serve_chat
+from .common import HANDLED, BadRequest, failure, json_body, relay, serve_chat
 from .ollama_model import describe
 
 blueprint = Blueprint("ollama", __name__)
@@ -59,6 +60,8 @@ def answers_errors(view: Callable) -> Callable:
             return render_error(exc.status, exc.message)
         except HANDLED as exc:
             return render_error(*failure(exc))
+        except HTTPException:  # e.g. 413: the app's handler answers it in this format
+            raise
         except Exception as exc:  # noqa: BLE001 - a client must still get JSON
             log.exception("ollama route %s failed", request.path)
             return render_error(500, f"kvproxy internal error: {exc.__class__.__name__}")
@@ -248,7 +251,13 @@ def manage(action: str, field: str | None, digest: str = "") -> Response:
     if request.method == "HEAD":
         return Response(status=404)
     model = describe()
-    body = request.get_json(silent=True, force=True)
+    if digest:  # an upload (``ollama create``): refused without reading a byte of it
+        return render_error(400, ONE_MODEL.format(name=model["name"], action=action),
+                            {"Connection": "close"})
+    try:
+        body = json_body()
+    except BadRequest:
+        body = None
     if field and isinstance(body, dict) and (body.get(field) or body.get("name")):
         requested_model(body, model, field)
     raise tr.Invalid(ONE_MODEL.format(name=model["name"], action=action))
