@@ -18,6 +18,7 @@ from typing import Any
 import filelock
 
 from . import metrics
+from .activity import RecentActivity
 from .identity import DEFAULT_SESSION, Session, base_stem
 from .llama import LlamaClient, UpstreamError, UpstreamUnavailable
 from .store import SessionStore, now_iso
@@ -101,6 +102,7 @@ class SlotSwitch:
         self.max_disk_bytes = max_disk_bytes
         self._thread_lock = threading.Lock()
         self._file_lock = filelock.FileLock(str(store.lock_path), thread_local=False)
+        self.activity = RecentActivity()  # recent swaps and outcomes, for /status and the CLI
 
     # -- locking -----------------------------------------------------------
     def acquire(self, session: Session) -> Lease:
@@ -130,6 +132,10 @@ class SlotSwitch:
     def _busy(self, started: float) -> SlotBusy:
         waited = time.monotonic() - started
         return SlotBusy(waited, retry_after=max(1, int(min(self.lock_timeout, 30))))
+
+    def busy(self) -> bool:
+        """Whether a request (or an admin action) in this process holds the slot now."""
+        return self._thread_lock.locked()
 
     def _unlock(self) -> None:
         self._file_lock.release()
@@ -173,6 +179,7 @@ class SlotSwitch:
         swap_ms = (time.monotonic() - started) * 1000
         log.info("swap to session=%s source=%s cache=%s restored_tokens=%d swap_ms=%.1f",
                  session.id, session.source, cache, restored, swap_ms)
+        self.activity.record_swap(session.id, cache, swap_ms, restored)
         return Lease(session, cache, restored, swap_ms, restored_stem, made_by)
 
     def _slot_lost(self, state: dict, trust_connection: bool = False) -> bool:
@@ -330,6 +337,8 @@ class SlotSwitch:
         predicted_n = int(timings.get("predicted_n") or 0)
         metrics.TOKENS.labels("reused").inc(cache_n)
         metrics.TOKENS.labels("computed").inc(prompt_n)
+        if timings:
+            self.activity.record_request(lease.cache, cache_n, prompt_n)
         state = self.store.read_state()
         before = dict(state)
         if timings:

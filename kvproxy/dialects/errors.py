@@ -17,7 +17,7 @@ log = logging.getLogger("kvproxy.errors")
 
 ANTHROPIC_PATHS = ("/v1/messages", "/messages")
 OPENAI_PATHS = ("/v1/", "/chat/", "/completions", "/models", "/embeddings")
-ADMIN_PATHS = ("/api/sessions", "/api/openapi")
+ADMIN_PATHS = ("/api/sessions", "/api/status", "/api/openapi")
 
 
 def renderer_for(path: str):
