@@ -234,7 +234,7 @@ function renderSessions(rows) {
   // One string, one innerHTML: a thousand rows draw in milliseconds.
   $("sessions").tBodies[0].innerHTML = shown.map((r) => `<tr>
     <td class="id" title="${esc(r.file)}">${esc(r.id)}${r.refused ? " ⚠" : ""}</td>
-    <td class="num">${bytes(r.bytes)}</td><td class="num">${num(r.tokens)}</td>
+    <td class="num opt">${bytes(r.bytes)}</td><td class="num">${num(r.tokens)}</td>
     <td title="${esc(r.last_used)}">${esc(ago(r.last_used))}</td><td class="num">${num(r.hits)}</td>
     <td class="num opt">${num(r.restores)}</td><td class="opt outcome-${esc(r.last_cache)}">${esc(r.last_cache || "–")}</td>
     <td><button type="button" class="danger" data-action="delete" data-id="${esc(r.id)}">Delete</button></td>
@@ -251,7 +251,7 @@ function renderBases(rows) {
 
 // A stacked bar per minute, drawn as SVG rectangles coloured by CSS class.
 function barChart(buckets, series, unit) {
-  const W = 600, H = 110, top = 6, bottom = 16, gap = 2;
+  const W = 600, H = 100, top = 6, bottom = 1, gap = 2;
   const max = Math.max(1, ...buckets.map((b) => series.reduce((t, k) => t + b[k], 0)));
   const width = W / buckets.length;
   let bars = "";
@@ -267,10 +267,11 @@ function barChart(buckets, series, unit) {
   });
   const first = buckets.length ? new Date(buckets[0].t).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" }) : "";
   const legend = series.map((k) => `<span><span class="swatch c-${k}"></span>${esc(k)} ${num(buckets.reduce((t, b) => t + b[k], 0))}</span>`).join("");
+  // The bars stretch to the card's width; the axis labels stay HTML so the text is not stretched.
   return `<div class="legend">${legend}<span>max ${num(max)} ${esc(unit)}/min</span></div>
     <svg viewBox="0 0 ${W} ${H}" preserveAspectRatio="none" role="img" aria-label="${esc(series.join(", "))} per minute">
-    <line class="axis" x1="0" y1="${H - bottom}" x2="${W}" y2="${H - bottom}"/>${bars}
-    <text x="2" y="${H - 3}">${esc(first)}</text><text x="${W - 2}" y="${H - 3}" text-anchor="end">now</text></svg>`;
+    <line class="axis" x1="0" y1="${H - bottom}" x2="${W}" y2="${H - bottom}"/>${bars}</svg>
+    <div class="axis-labels"><span>${esc(first)}</span><span>now</span></div>`;
 }
 
 function renderCharts(timeline) {
