@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
 BUILD_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: setup run test bench clean
+.PHONY: setup browser run test bench clean
 setup: $(VENV)/.requirements $(VENV)/.llama-server $(VENV)/.model
 
 $(VENV)/bin/python:
@@ -38,7 +38,12 @@ $(VENV)/.model: $(VENV)/bin/python
 run: setup
 	$(BIN)/python -m kvproxy.serve
 
-test: setup
+# The status page test drives Debian's chromium headless (Playwright's own browsers are not used).
+browser:
+	@command -v chromium >/dev/null || { echo "== installing chromium (status page test)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+
+test: setup browser
 	$(BIN)/python -m pytest
 
 bench: setup

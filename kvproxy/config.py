@@ -100,7 +100,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("slot_id", "0", _non_negative_int,
             "The llama-server slot kvproxy manages (run llama-server with -np 1)."),
     Setting("admin_token", "", str,
-            "When set, the /api/sessions endpoints need 'Authorization: Bearer <token>'."),
+            "When set, the admin API (/api/sessions, /api/status) needs 'Authorization: Bearer <token>'."),
     Setting("lock_timeout", "300", _positive_float,
             "Seconds a request may wait for the slot before it gets 503 with Retry-After."),
     Setting("connect_timeout", "5", _positive_float,
