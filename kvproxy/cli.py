@@ -113,6 +113,14 @@ def percent(ratio: float | None) -> str:
     return "-" if ratio is None else f"{ratio * 100:.1f}%"
 
 
+def restore_text(check: dict) -> str:
+    if check.get("restoring_off"):
+        return f"switched off since {check.get('off_since')}"
+    if check.get("restoring_off") is None:
+        return "unknown (llama-server did not say which model runs)"
+    return f"on ({check.get('misses_in_a_row', 0)} unhonoured restores in a row)"
+
+
 # -- commands ----------------------------------------------------------------------
 def cmd_ps(client: AdminClient, args) -> tuple[Any, str]:
     data = client.json("/api/status", sessions="0")
@@ -159,6 +167,7 @@ def cmd_stats(client: AdminClient, args) -> tuple[Any, str]:
         f"disk          {human_bytes(disk['used_bytes'])} in {disk['files']} files of {bound}; "
         f"{human_bytes(disk['free_bytes'])} free",
         f"saved         {len(data['sessions'])} sessions, {len(data['bases'])} base snapshots",
+        f"restoring     {restore_text(data['restore_check'])}",
     ]
     machine = {"stats": stats, "disk": disk, "sessions": len(data["sessions"]),
                "bases": len(data["bases"]), "restore_check": data["restore_check"]}

@@ -82,14 +82,18 @@ def disk_view(root, bound_bytes: int) -> dict:
 
 
 def restore_check_view(state: dict, limit: int, running_key: str | None) -> dict:
-    """Whether restoring is switched off for the running model, and how close it came."""
+    """Whether restoring is switched off for the running model, and how close it came.
+
+    Same fields as the restore check in ``GET /api/sessions/current``.
+    """
     misses = state.get("restore_misses") or {}
     disabled = state.get("restore_disabled") or {}
-    view = {"limit": limit, "disabled_models": len(disabled), "reset": RESTORE_CHECK_RESET}
+    view = {"limit": limit, "models_off": len(disabled), "reset": RESTORE_CHECK_RESET,
+            "off_until": None}
     if running_key is None:  # llama-server did not say which model runs
-        view.update(disabled=bool(disabled) or None, misses_in_a_row=None, disabled_at=None)
+        view.update(restoring_off=None, misses_in_a_row=None, off_since=None)
     else:
-        view.update(disabled=running_key in disabled, disabled_at=disabled.get(running_key),
+        view.update(restoring_off=running_key in disabled, off_since=disabled.get(running_key),
                     misses_in_a_row=misses.get(running_key, 0))
     return view
 

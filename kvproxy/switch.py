@@ -95,6 +95,7 @@ class SlotSwitch:
                  restore_miss_limit: int = 2, max_disk_bytes: int = 0):
         self.client = client
         self.store = store
+        self.activity = RecentActivity()  # recent swaps and outcomes, for /status and the CLI
         self.slot_id = slot_id
         self.lock_timeout = lock_timeout
         self.base_snapshots = base_snapshots
@@ -102,7 +103,6 @@ class SlotSwitch:
         self.max_disk_bytes = max_disk_bytes
         self._thread_lock = threading.Lock()
         self._file_lock = filelock.FileLock(str(store.lock_path), thread_local=False)
-        self.activity = RecentActivity()  # recent swaps and outcomes, for /status and the CLI
 
     # -- locking -----------------------------------------------------------
     def acquire(self, session: Session) -> Lease:
@@ -133,10 +133,6 @@ class SlotSwitch:
         waited = time.monotonic() - started
         return SlotBusy(waited, retry_after=max(1, int(min(self.lock_timeout, 30))))
 
-    def busy(self) -> bool:
-        """Whether a request (or an admin action) in this process holds the slot now."""
-        return self._thread_lock.locked()
-
     def _unlock(self) -> None:
         self._file_lock.release()
         self._thread_lock.release()
@@ -154,6 +150,10 @@ class SlotSwitch:
             unlock()
 
     # -- swapping ----------------------------------------------------------
+    def busy(self) -> bool:
+        """Whether a request (or an admin action) in this process holds the slot now."""
+        return self._thread_lock.locked()
+
     def current_made_by(self) -> dict:
         return fingerprint(self.client.props(), self.client.models())
 

@@ -83,6 +83,7 @@ def test_stats(served, capsys):
     assert "hit ratio     0.0% (hit 0, restored 0, base 0, miss 2)" in out
     assert "tokens        0 reused, 20 computed" in out
     assert "saved         2 sessions, 0 base snapshots" in out
+    assert "restoring     on (0 unhonoured restores in a row)" in out
     data = json.loads(run(capsys, "stats", "--json")[1])
     assert data["stats"]["requests"] == 2
     assert data["disk"]["files"] == 1, "bob is in the slot, not saved yet"

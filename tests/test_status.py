@@ -83,7 +83,7 @@ def test_status_shows_slot_sessions_outcomes_swaps_disk_and_llama(fake_app, tmp_
 
     llama = data["llama_server"]
     assert llama["status"] == "ok" and llama["model"] == "tiny.gguf" and llama["build"] == "b1-test"
-    assert data["restore_check"]["disabled"] is False
+    assert data["restore_check"]["restoring_off"] is False
     assert data["restore_check"]["reset"] == "/api/sessions/restore-check/reset"
 
 
@@ -156,7 +156,7 @@ def test_llama_server_down_still_answers(tmp_path):
         mock.add_passthru("http://127.0.0.1:9")
         data = app.test_client().get("/api/status").get_json()
     assert data["llama_server"]["status"] == "unreachable"
-    assert data["slots"][0]["session_id"] == "default" and data["restore_check"]["disabled"] is None
+    assert data["slots"][0]["session_id"] == "default" and data["restore_check"]["restoring_off"] is None
 
 
 def test_llama_server_loading_is_shown(fake_app):
@@ -173,17 +173,17 @@ def test_restore_check_state_for_the_running_model(fake_app):
     store = app.extensions["kvproxy.switch"].store
     store.write_state({"restore_misses": {key: 1}})
     check = app.test_client().get("/api/status").get_json()["restore_check"]
-    assert check["disabled"] is False and check["misses_in_a_row"] == 1 and check["limit"] == 2
+    assert check["restoring_off"] is False and check["misses_in_a_row"] == 1 and check["limit"] == 2
     store.write_state({"restore_misses": {key: 2}, "restore_disabled": {key: "2026-01-01T00:00:00Z",
                                                                         "other": "x"}})
     check = app.test_client().get("/api/status").get_json()["restore_check"]
-    assert check["disabled"] is True and check["disabled_at"] == "2026-01-01T00:00:00Z"
-    assert check["disabled_models"] == 2
+    assert check["restoring_off"] is True and check["off_since"] == "2026-01-01T00:00:00Z"
+    assert check["models_off"] == 2
 
 
 def test_restore_check_view_for_another_model_only():
     view = restore_check_view({"restore_disabled": {"other": "t"}}, 2, running_key="mine")
-    assert view["disabled"] is False and view["disabled_models"] == 1
+    assert view["restoring_off"] is False and view["models_off"] == 1
 
 
 def test_session_rows_split_and_sort():

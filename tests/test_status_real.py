@@ -105,6 +105,12 @@ def test_page_in_a_browser(guarded, browser, tmp_path):
     assert [s["session_id"] for s in admin(guarded, "/api/sessions").json()] == ["bob"]
     assert not (guarded.slot_dir / alice_file).exists()
 
+    # An id is shown as text, never run as markup.
+    hostile = '<img src=x onerror="window.pwned=1">'
+    ask(guarded, hostile)
+    slot_shows(page, hostile)
+    assert page.evaluate("window.pwned") is None and not page.query_selector("#board img")
+
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     for target in (ARTIFACTS / "status.png", tmp_path / "status.png"):
         page.screenshot(path=str(target), full_page=True)
@@ -119,7 +125,8 @@ def test_page_on_a_phone_in_dark_mode(guarded, browser, tmp_path):
                                   color_scheme="dark", device_scale_factor=2)
     page.fill("#token", TOKEN)
     page.press("#token", "Enter")
-    slot_shows(page, "bob")
+    page.wait_for_selector("#slots td.session")
+    page.wait_for_selector("#sessions tbody button[data-action=delete]")
     assert page.evaluate("document.documentElement.scrollWidth") <= 390, "no sideways scrolling"
     background = page.evaluate("getComputedStyle(document.body).backgroundColor")
     assert background == "rgb(15, 19, 24)", "dark colours follow prefers-color-scheme"

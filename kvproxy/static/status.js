@@ -198,10 +198,15 @@ function renderDisk(disk) {
 
 function renderRestoreCheck(check) {
   let text;
-  if (check.disabled) text = `Restoring is switched off for this model since ${new Date(check.disabled_at).toLocaleString()}.`;
-  else if (check.disabled === null) text = "llama-server did not say which model runs.";
-  else text = `Restoring is on: ${num(check.misses_in_a_row)} unhonoured restores in a row (switches off at ${check.limit || "never"}).`;
-  if (check.disabled_models && !check.disabled) text += ` Switched off for ${check.disabled_models} other model(s).`;
+  if (check.restoring_off) {
+    text = `Restoring is switched off for this model since ${new Date(check.off_since).toLocaleString()}`
+      + (check.off_until ? `, until ${new Date(check.off_until).toLocaleString()}.` : ".");
+  } else if (check.restoring_off == null) {
+    text = "llama-server did not say which model runs.";
+  } else {
+    text = `Restoring is on: ${num(check.misses_in_a_row)} unhonoured restores in a row (switches off at ${check.limit || "never"}).`;
+  }
+  if (check.models_off && !check.restoring_off) text += ` Switched off for ${check.models_off} other model(s).`;
   $("restore-check").textContent = text;
 }
 
