@@ -48,8 +48,8 @@ EVICTED_BYTES = Counter("kvproxy_evicted_bytes_total", "Bytes of slot files dele
 
 log = logging.getLogger("kvproxy.requests")
 
-# Polled by monitors and health checks: their request lines go out at DEBUG only.
-QUIET_ROUTES = frozenset({"/health", "/metrics"})
+# Polled by monitors, health checks and the status page: their request lines go out at DEBUG only.
+QUIET_ROUTES = frozenset({"/health", "/metrics", "/api/status"})
 
 
 def observe_swap(kind: str, seconds: float, n_bytes: int) -> None:

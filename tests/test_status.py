@@ -141,6 +141,15 @@ def test_page_loads_nothing_from_elsewhere(fake_app):
     assert not re.search(r"(?:src|href)=\"(?:https?:)?//", html)
 
 
+def test_polling_does_not_fill_the_log(fake_app, caplog):
+    app, _ = fake_app()
+    with caplog.at_level("INFO", logger="kvproxy.requests"):
+        app.test_client().get("/api/status")
+        app.test_client().get("/status")
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvproxy.requests"]
+    assert len(lines) == 1 and "route=/status " in lines[0], "the page load is logged, its polls not"
+
+
 def test_sessions_can_be_left_out(fake_app):
     app, _ = fake_app()
     client = app.test_client()
