@@ -7,6 +7,7 @@ const REFRESH_MS = 3000;
 const TOKEN_KEY = "kvproxy.adminToken";
 const OUTCOMES = ["hit", "restored", "base", "miss"];
 const RESTORE_CHECK_RESET = "api/sessions/restore-check/reset";
+const ROWS_STEP = 200;  // session rows drawn at first; laying out a thousand rows takes a while
 
 const $ = (id) => document.getElementById(id);
 const state = {
@@ -16,6 +17,7 @@ const state = {
   sortKey: "last_used",
   sortDir: -1,
   filter: "",
+  rowsShown: ROWS_STEP,
   rendered: {},  // section -> JSON last drawn, so unchanged sections are not redrawn
   timer: null,
   runs: 0,  // a refresh started later wins; an older one neither draws nor reschedules
@@ -34,7 +36,8 @@ function bytes(n) {
   while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
   return `${n.toFixed(i && n < 10 ? 1 : 0)} ${units[i]}`;
 }
-const num = (n) => (n == null ? "–" : Number(n).toLocaleString());
+const NUMBER = new Intl.NumberFormat();
+const num = (n) => (n == null ? "–" : NUMBER.format(n));
 const pct = (r) => (r == null ? "–" : `${(r * 100).toFixed(1)}%`);
 
 function ago(iso) {
@@ -151,7 +154,7 @@ function render(data) {
   renderRestoreCheck(data.restore_check);
   if (changed("timeline", data.timeline)) renderCharts(data.timeline);
   if (changed("swaps", data.swaps)) renderSwaps(data.swaps);
-  if (changed("sessions", [data.sessions, state.sortKey, state.sortDir, state.filter])) {
+  if (changed("sessions", [data.sessions, state.sortKey, state.sortDir, state.filter, state.rowsShown])) {
     renderSessions(data.sessions || []);
   }
   if (changed("bases", data.bases)) renderBases(data.bases || []);
@@ -230,8 +233,12 @@ function sortedSessions(rows) {
 }
 
 function renderSessions(rows) {
-  const shown = sortedSessions(rows);
-  $("session-count").textContent = shown.length === rows.length ? `(${rows.length})` : `(${shown.length} of ${rows.length})`;
+  const matching = sortedSessions(rows);
+  const shown = matching.slice(0, state.rowsShown);
+  $("session-count").textContent = matching.length === rows.length ? `(${rows.length})` : `(${matching.length} of ${rows.length})`;
+  const more = $("more-sessions");
+  more.hidden = matching.length <= shown.length;
+  more.textContent = `Show ${Math.min(ROWS_STEP, matching.length - shown.length)} more of ${matching.length - shown.length}`;
   for (const th of document.querySelectorAll("#sessions th[data-key]")) {
     th.classList.toggle("asc", th.dataset.key === state.sortKey && state.sortDir > 0);
     th.classList.toggle("desc", th.dataset.key === state.sortKey && state.sortDir < 0);
@@ -297,7 +304,12 @@ function wire() {
   $("forget-token").addEventListener("click", () => { forgetToken(); state.data = null; $("board").hidden = true; refresh(); });
   $("filter").addEventListener("input", (event) => {
     state.filter = event.target.value;
-    if (state.data) renderSessions(state.data.sessions || []);
+    state.rowsShown = ROWS_STEP;
+    if (state.data) render(state.data);
+  });
+  $("more-sessions").addEventListener("click", () => {
+    state.rowsShown += ROWS_STEP;
+    if (state.data) render(state.data);
   });
   document.querySelector("#sessions thead").addEventListener("click", (event) => {
     const key = event.target.dataset && event.target.dataset.key;
