@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import openai
@@ -69,10 +70,19 @@ def open_page(browser, stack: Stack, **options):
     return page, problems, urls
 
 
-def slot_shows(page, session_id: str, timeout: float = 30000) -> None:
-    page.wait_for_function(
-        "id => (document.querySelector('#slots td.session') || {}).textContent === id",
-        arg=session_id, timeout=timeout)
+def wait_until(page, expression: str, arg=None, timeout: float = 30) -> None:
+    """Poll a JS expression until it is true. (Playwright's wait_for_function evaluates
+    strings with eval, which the page's Content-Security-Policy rightly forbids.)"""
+    deadline = time.monotonic() + timeout
+    while not page.evaluate(expression, arg):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still false after {timeout} s: {expression}")
+        time.sleep(0.1)
+
+
+def slot_shows(page, session_id: str) -> None:
+    wait_until(page, "id => (document.querySelector('#slots td.session') || {}).textContent === id",
+               session_id)
 
 
 def test_page_in_a_browser(guarded, browser, tmp_path):
@@ -91,7 +101,7 @@ def test_page_in_a_browser(guarded, browser, tmp_path):
     page.evaluate("window.stillTheSamePage = true")
     ask(guarded, "bob")
     slot_shows(page, "bob")
-    page.wait_for_function("document.querySelector('#swaps tbody').textContent.includes('bob')")
+    wait_until(page, "document.querySelector('#swaps tbody').textContent.includes('bob')")
     assert page.evaluate("window.stillTheSamePage") is True
 
     # Delete alice through her row's button.
@@ -100,8 +110,8 @@ def test_page_in_a_browser(guarded, browser, tmp_path):
     assert (guarded.slot_dir / alice_file).exists()
     page.once("dialog", lambda dialog: dialog.accept())
     page.click("#sessions button[data-action=delete][data-id=alice]")
-    page.wait_for_function("document.getElementById('message').textContent === 'Deleted session alice.'")
-    page.wait_for_function("!document.querySelector('#sessions button[data-id=alice]')")
+    wait_until(page, "document.getElementById('message').textContent === 'Deleted session alice.'")
+    wait_until(page, "!document.querySelector('#sessions button[data-id=alice]')")
     assert [s["session_id"] for s in admin(guarded, "/api/sessions").json()] == ["bob"]
     assert not (guarded.slot_dir / alice_file).exists()
 
@@ -110,6 +120,8 @@ def test_page_in_a_browser(guarded, browser, tmp_path):
     ask(guarded, hostile)
     slot_shows(page, hostile)
     assert page.evaluate("window.pwned") is None and not page.query_selector("#board img")
+
+    wait_until(page, "document.querySelector('#slots .badge').textContent === 'idle'")
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     for target in (ARTIFACTS / "status.png", tmp_path / "status.png"):
@@ -128,6 +140,8 @@ def test_page_on_a_phone_in_dark_mode(guarded, browser, tmp_path):
     page.wait_for_selector("#slots td.session")
     page.wait_for_selector("#sessions tbody button[data-action=delete]")
     assert page.evaluate("document.documentElement.scrollWidth") <= 390, "no sideways scrolling"
+    delete = page.query_selector("#sessions tbody button[data-action=delete]").bounding_box()
+    assert delete["x"] + delete["width"] <= 390, "the delete button is on screen"
     background = page.evaluate("getComputedStyle(document.body).backgroundColor")
     assert background == "rgb(15, 19, 24)", "dark colours follow prefers-color-scheme"
     page.screenshot(path=str(ARTIFACTS / "status-phone-dark.png"), full_page=True)
@@ -139,7 +153,7 @@ def test_wrong_token_is_asked_again(guarded, browser):
     page, _, _ = open_page(browser, guarded)
     page.fill("#token", "wrong")
     page.press("#token", "Enter")
-    page.wait_for_function("document.getElementById('message').textContent.includes('token')")
+    wait_until(page, "document.getElementById('message').textContent.includes('token')")
     assert page.is_visible("#token-form") and not page.is_visible("#board")
     assert page.evaluate("sessionStorage.length") == 0, "a refused token is not kept"
     page.close()

@@ -247,7 +247,7 @@ function renderSessions(rows) {
   $("sessions").tBodies[0].innerHTML = shown.map((r) => `<tr>
     <td class="id" title="${esc(r.file)}">${esc(r.id)}${r.refused ? " ⚠" : ""}</td>
     <td class="num opt">${bytes(r.bytes)}</td><td class="num">${num(r.tokens)}</td>
-    <td title="${esc(r.last_used)}">${esc(ago(r.last_used))}</td><td class="num">${num(r.hits)}</td>
+    <td title="${esc(r.last_used)}">${esc(ago(r.last_used))}</td><td class="num opt">${num(r.hits)}</td>
     <td class="num opt">${num(r.restores)}</td><td class="opt outcome-${esc(r.last_cache)}">${esc(r.last_cache || "–")}</td>
     <td><button type="button" class="danger" data-action="delete" data-id="${esc(r.id)}">Delete</button></td>
     </tr>`).join("") || `<tr><td colspan="8" class="muted">No saved sessions.</td></tr>`;
