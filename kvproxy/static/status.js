@@ -256,7 +256,7 @@ function renderSessions(rows) {
 function renderBases(rows) {
   $("base-count").textContent = `(${rows.length})`;
   $("bases").tBodies[0].innerHTML = rows.map((r) => `<tr><td class="id" title="${esc(r.file)}">${esc(r.system_hash)}</td>
-    <td class="num">${bytes(r.bytes)}</td><td class="num">${num(r.tokens)}</td>
+    <td class="num opt">${bytes(r.bytes)}</td><td class="num">${num(r.tokens)}</td>
     <td>${esc(ago(r.last_used))}</td><td class="num">${num(r.restores)}</td></tr>`).join("")
     || `<tr><td colspan="5" class="muted">No base snapshots.</td></tr>`;
 }
