@@ -149,6 +149,29 @@ def test_page_on_a_phone_in_dark_mode(guarded, browser, tmp_path):
     page.close()
 
 
+def test_clear_and_reset_buttons(guarded, browser):
+    ask(guarded, "erin")
+    page, _, urls = open_page(browser, guarded)
+    page.fill("#token", TOKEN)
+    page.press("#token", "Enter")
+    slot_shows(page, "erin")
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.click("#slots button[data-action=clear]")
+    slot_shows(page, "default")
+    assert admin(guarded, "/api/sessions/current").json()["session_id"] == "default"
+    assert "erin" in page.inner_text("#sessions tbody"), "clearing saves the session first"
+
+    # The reset call comes with the reliability work; without it the page says so.
+    has_reset = requests.post(guarded.url + "/api/sessions/restore-check/reset", timeout=30,
+                              headers={"Authorization": f"Bearer {TOKEN}"}).status_code not in (404, 405)
+    page.click("#reset-restore-check")
+    expected = ("Restore check reset." if has_reset
+                else "This kvproxy has no call to reset the restore check.")
+    wait_until(page, "text => document.getElementById('message').textContent === text", expected)
+    assert any(u.endswith("/api/sessions/restore-check/reset") for u in urls)
+    page.close()
+
+
 def test_wrong_token_is_asked_again(guarded, browser):
     page, _, _ = open_page(browser, guarded)
     page.fill("#token", "wrong")

@@ -118,7 +118,7 @@ async function refresh() {
 async function act(method, path, done) {
   try {
     const response = await api(method, path);
-    if (response.status === 404 && path === RESTORE_CHECK_RESET) {
+    if ((response.status === 404 || response.status === 405) && path === RESTORE_CHECK_RESET) {
       showMessage("This kvproxy has no call to reset the restore check.", true);
       return;
     }
