@@ -104,6 +104,14 @@ def test_page_in_a_browser(guarded, browser, tmp_path):
     wait_until(page, "document.querySelector('#swaps tbody').textContent.includes('bob')")
     assert page.evaluate("window.stillTheSamePage") is True
 
+    # Sorting: most recently used first, then by id when its header is clicked.
+    first_id = "document.querySelector('#sessions tbody td.id').textContent"
+    wait_until(page, f"{first_id} === 'bob'")
+    page.click("#sessions th[data-key=id]")
+    assert page.evaluate(first_id) == "alice"
+    page.click("#sessions th[data-key=id]")
+    assert page.evaluate(first_id) == "bob"
+
     # Delete alice through her row's button.
     alice_file = next(s["file"] for s in admin(guarded, "/api/sessions").json()
                       if s["session_id"] == "alice")
