@@ -21,6 +21,7 @@ const state = {
   rendered: {},  // section -> JSON last drawn, so unchanged sections are not redrawn
   timer: null,
   runs: 0,  // a refresh started later wins; an older one neither draws nor reschedules
+  offline: false,  // the message shows that kvproxy did not answer; cleared when it does
 };
 
 class NeedToken extends Error {}
@@ -50,6 +51,7 @@ function ago(iso) {
 }
 
 function showMessage(text, isError) {
+  state.offline = false;
   const box = $("message");
   box.textContent = text;
   box.className = isError ? "error" : "";
@@ -105,12 +107,14 @@ async function refresh() {
     $("token-form").hidden = true;
     $("forget-token").hidden = !state.token;
     $("board").hidden = false;
-    if ($("message").classList.contains("error")) showMessage("");
+    if (state.offline) showMessage("");
+    state.offline = false;
     render(state.data);
   } catch (err) {
     if (run !== state.runs) return;
     if (err instanceof NeedToken) { askForToken(err.message); return; }
     showMessage(`kvproxy did not answer: ${err.message}`, true);
+    state.offline = true;
   }
   state.timer = setTimeout(refresh, REFRESH_MS);
 }
