@@ -1,6 +1,7 @@
 """What the slot did lately, kept in memory for the status page and the command line.
 
-The switch feeds it: one call per swap, one per finished request. Recent events
+The switch feeds it one call per request, when the request ends: its cache
+outcome, the swap it needed (if any) and llama-server's timings. Recent events
 sit in bounded ring buffers (``collections.deque``), totals are counters since
 the process started; nothing here touches the disk, so a restart starts afresh.
 """
@@ -30,6 +31,15 @@ class RecentActivity:
         self.requests: deque[tuple[float, str, int, int]] = deque(maxlen=max_requests)
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
         self.tokens = {"reused": 0, "computed": 0}
+
+    def record(self, lease, timings: dict) -> None:
+        """One request at its end (a switch ``Lease``): a swap unless the slot already held
+        its session (hit), and its outcome and tokens when llama-server answered."""
+        if lease.cache != "hit":
+            self.record_swap(lease.session.id, lease.cache, lease.swap_ms, lease.restored_tokens)
+        if timings:
+            self.record_request(lease.cache, int(timings.get("cache_n") or 0),
+                                int(timings.get("prompt_n") or 0))
 
     def record_swap(self, session_id: str, cache: str, swap_ms: float,
                     restored_tokens: int) -> None:

@@ -18,8 +18,8 @@ from typing import Any
 import filelock
 
 from . import metrics
-from .activity import RecentActivity
 from .identity import DEFAULT_SESSION, Session, base_stem
+from .activity import RecentActivity
 from .llama import LlamaClient, UpstreamError, UpstreamUnavailable
 from .store import SessionStore, now_iso
 
@@ -179,7 +179,6 @@ class SlotSwitch:
         swap_ms = (time.monotonic() - started) * 1000
         log.info("swap to session=%s source=%s cache=%s restored_tokens=%d swap_ms=%.1f",
                  session.id, session.source, cache, restored, swap_ms)
-        self.activity.record_swap(session.id, cache, swap_ms, restored)
         return Lease(session, cache, restored, swap_ms, restored_stem, made_by)
 
     def _slot_lost(self, state: dict, trust_connection: bool = False) -> bool:
@@ -337,8 +336,7 @@ class SlotSwitch:
         predicted_n = int(timings.get("predicted_n") or 0)
         metrics.TOKENS.labels("reused").inc(cache_n)
         metrics.TOKENS.labels("computed").inc(prompt_n)
-        if timings:
-            self.activity.record_request(lease.cache, cache_n, prompt_n)
+        self.activity.record(lease, timings)
         state = self.store.read_state()
         before = dict(state)
         if timings:
