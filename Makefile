@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
 BUILD_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: setup browser run test bench clean
+.PHONY: setup run test bench clean
 setup: $(VENV)/.requirements $(VENV)/.llama-server $(VENV)/.model
 
 $(VENV)/bin/python:
@@ -39,6 +39,7 @@ run: setup
 	$(BIN)/python -m kvproxy.serve
 
 # The status page test drives Debian's chromium headless (Playwright's own browsers are not used).
+.PHONY: browser
 browser:
 	@command -v chromium >/dev/null || { echo "== installing chromium (status page test)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }

@@ -44,13 +44,14 @@ def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
     app.extensions["kvproxy.switch"] = switch
     app.extensions["kvproxy.relay"] = Relay(settings, client, switch)
 
-    from . import admin, metrics, ops, status
+    from . import admin, metrics, ops
     from .dialects import anthropic, errors, ollama, openai
     for blueprint in (ops.blueprint, openai.blueprint, ollama.blueprint, anthropic.blueprint):
         app.register_blueprint(blueprint)
     api = Api(app)
     api.register_blueprint(admin.blueprint)
-    status.init_app(app, api)
     errors.init_app(app, api)
     metrics.init_app(app)
+    from . import status  # GET /status and /api/status
+    status.init_app(app, api)
     return app
