@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
 BUILD_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test test-deploy nginx bench clean
 setup: $(VENV)/.requirements $(VENV)/.llama-server $(VENV)/.model
 
 $(VENV)/bin/python:
@@ -44,8 +44,23 @@ browser:
 	@command -v chromium >/dev/null || { echo "== installing chromium (status page test)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
-test: setup browser
-	$(BIN)/python -m pytest
+test: setup nginx browser
+	$(BIN)/python -m pytest -m "not deploy"
+
+# nginx in front of one and then two kvproxy + llama-server pairs (about 7 minutes).
+test-deploy: setup nginx
+	$(BIN)/python -m pytest -m deploy
+
+# Debian's nginx for the deployment tests (CI runs as root). The tests run their own
+# nginx on free ports; without nginx they are skipped and say why.
+nginx:
+	@command -v nginx >/dev/null || test -x /usr/sbin/nginx || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "== installing nginx (Debian package)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx >/dev/null; \
+	  else \
+	    echo "== nginx is not installed and cannot be installed here: apt-get install nginx"; \
+	  fi; }
 
 bench: setup
 	$(BIN)/python -m bench.run
