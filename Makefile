@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
 BUILD_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: setup run test test-deploy nginx bench clean
+.PHONY: setup run test test-unit test-deploy nginx mutate bench clean
 setup: $(VENV)/.requirements $(VENV)/.llama-server $(VENV)/.model
 
 $(VENV)/bin/python:
@@ -62,8 +62,25 @@ nginx:
 	    echo "== nginx is not installed and cannot be installed here: apt-get install nginx"; \
 	  fi; }
 
+# Unit tests only: llama-server stubbed, no model, seconds.
+test-unit: $(VENV)/.requirements
+	$(BIN)/python -m pytest -q -m "not real"
+
+# Mutation testing (mutmut, settings in setup.cfg) of the modules named in MUTATE against the
+# fast stubbed suite; MUTATE=all mutates every module. Bounded: each mutant by mutmut's CPU
+# limit, the whole run by MUTATE_TIMEOUT seconds. Prints the kill rate and the survivors.
+MUTATE ?= switch identity store relay
+MUTATE_TIMEOUT ?= 3600
+mutate: $(VENV)/.requirements
+	@mkdir -p var
+	@echo "== mutation testing: $(MUTATE) (at most $(MUTATE_TIMEOUT) s; progress in var/mutmut.log)"
+	timeout -s INT -k 60 $(MUTATE_TIMEOUT) $(BIN)/mutmut run --max-children $(BUILD_JOBS) \
+	  $(if $(filter all,$(MUTATE)),,$(foreach m,$(MUTATE),"kvproxy.$(m).*")) \
+	  > var/mutmut.log 2>&1 || echo "== mutmut stopped early (time bound or error): see var/mutmut.log"
+	$(BIN)/python -m tests.mutation_report $(if $(filter all,$(MUTATE)),,$(MUTATE))
+
 bench: setup
 	$(BIN)/python -m bench.run
 
 clean:
-	rm -rf $(VENV) var
+	rm -rf $(VENV) var mutants

@@ -5,6 +5,7 @@ does, so tests can check the swap sequence and the files it leaves.
 """
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -24,17 +25,22 @@ class FakeLlama:
         self.slot_dir = Path(slot_dir)
         self.actions: list[tuple[str, str | None]] = []
         self.tokens = 0            # tokens the slot holds
-        self.props = dict(PROPS)
+        self.props = copy.deepcopy(PROPS)
+        self.models = copy.deepcopy(MODELS)
         self.fail_restore = False
+        self.fail_save = False
+        self.slot_timings = True   # llama-server reports save_ms / restore_ms
         self.chat_timings = {"cache_n": 0, "prompt_n": 10, "predicted_n": 2}
         mock.add_callback(responses.POST, re.compile(rf"{UPSTREAM}/slots/0\?action=\w+"),
                           callback=self._slot)
         mock.add_callback(responses.GET, f"{UPSTREAM}/props", callback=lambda r: self._json(self.props))
-        mock.add(responses.GET, f"{UPSTREAM}/v1/models", json=MODELS)
+        mock.add_callback(responses.GET, f"{UPSTREAM}/v1/models",
+                          callback=lambda r: self._json(self.models))
         mock.add_callback(responses.GET, f"{UPSTREAM}/slots",
                           callback=lambda r: self._json([self.slot_entry()]))
         mock.add(responses.GET, f"{UPSTREAM}/health", json={"status": "ok"})
         mock.add_callback(responses.POST, f"{UPSTREAM}/v1/chat/completions", callback=self._chat)
+        mock.add_callback(responses.POST, f"{UPSTREAM}/v1/completions", callback=self._text)
 
     def slot_entry(self) -> dict:
         """As llama-server lists it: no id_task until a task ran since start."""
@@ -51,10 +57,14 @@ class FakeLlama:
         action = request.url.split("action=")[1]
         filename = json.loads(request.body or b"{}").get("filename")
         self.actions.append((action, filename))
+        if action == "save" and self.fail_save:
+            return self._json({"error": {"code": 500, "message": "failed to save slot",
+                                         "type": "server_error"}}, 500)
         if action == "save":
             (self.slot_dir / filename).write_bytes(b"ggsq" + bytes(self.tokens))
             return self._json({"id_slot": 0, "filename": filename, "n_saved": self.tokens,
-                               "n_written": self.tokens + 4, "timings": {"save_ms": 1.5}})
+                               "n_written": self.tokens + 4,
+                               **({"timings": {"save_ms": 1.234}} if self.slot_timings else {})})
         if action == "restore":
             path = self.slot_dir / filename
             if self.fail_restore or not path.exists():
@@ -63,7 +73,8 @@ class FakeLlama:
                                              "type": "invalid_request_error"}}, 400)
             self.tokens = path.stat().st_size - 4
             return self._json({"id_slot": 0, "filename": filename, "n_restored": self.tokens,
-                               "n_read": self.tokens + 4, "timings": {"restore_ms": 0.5}})
+                               "n_read": self.tokens + 4,
+                               **({"timings": {"restore_ms": 0.456}} if self.slot_timings else {})})
         erased, self.tokens = self.tokens, 0
         return self._json({"id_slot": 0, "n_erased": erased})
 
@@ -82,4 +93,18 @@ class FakeLlama:
                            "usage": {"prompt_tokens": timings["prompt_n"] + timings["cache_n"],
                                      "completion_tokens": 2,
                                      "prompt_tokens_details": {"cached_tokens": timings["cache_n"]}},
+                           "timings": timings})
+
+    def _text(self, request):
+        """/v1/completions: the same answer as text chunks, timings on the last one."""
+        body = json.loads(request.body)
+        timings = dict(self.chat_timings)
+        self.tokens = timings["cache_n"] + timings["prompt_n"] + timings["predicted_n"]
+        if body.get("stream"):
+            chunks = [{"choices": [{"index": 0, "text": "ok"}]},
+                      {"choices": [{"index": 0, "text": "", "finish_reason": "stop"}],
+                       "timings": timings}]
+            text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+            return 200, {"Content-Type": "text/event-stream"}, text
+        return self._json({"choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}],
                            "timings": timings})

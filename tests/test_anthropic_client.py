@@ -33,7 +33,9 @@ def test_create_count_tokens_and_models_with_api_key(client):
         model="claude-opus-kvproxy", max_tokens=8, system="Answer briefly.", messages=QUESTION,
         extra_body={"temperature": 0})
     message = raw.parse()
-    assert raw.headers["x-kvproxy-session"] and raw.headers["x-kvproxy-cache"]
+    # a conversation no other test has: it starts empty
+    assert raw.headers["x-kvproxy-session"].startswith("conv-")
+    assert raw.headers["x-kvproxy-cache"] == "miss"
     assert message.model == "claude-opus-kvproxy" and message.id.startswith("msg_")
     assert message.content[0].type == "text" and message.content[0].text
     assert message.stop_reason in ("end_turn", "max_tokens")
@@ -99,3 +101,20 @@ def test_session_switch_a_b_a_reads_the_cache(client):
     assert total == prompt_tokens(first_a.usage)
     assert again_a.usage.cache_read_input_tokens >= 0.9 * total, again_a.usage
     assert headers_again["x-kvproxy-cache"] == "restored"
+
+
+def test_raw_stream_ends_with_message_stop(stack, http):
+    """The SDK tolerates a stream without message_stop; the raw event sequence must have it."""
+    reply = http.post(stack.url + "/v1/messages", stream=True, timeout=120,
+                      headers={"x-api-key": "x", "anthropic-version": "2023-06-01"},
+                      json={"model": "claude", "max_tokens": 8, "stream": True,
+                            "temperature": 0, "messages": QUESTION})
+    assert reply.status_code == 200
+    lines = [line for line in reply.iter_lines(decode_unicode=True) if line]
+    names = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+    datas = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: ")]
+    assert [d["type"] for d in datas] == names, "each event line names its data's type"
+    assert names[0] == "message_start"
+    assert names[-2:] == ["message_delta", "message_stop"] and names.count("message_stop") == 1
+    blocks = [n for n in names if n in ("content_block_start", "content_block_stop")]
+    assert blocks and blocks == ["content_block_start", "content_block_stop"] * (len(blocks) // 2)

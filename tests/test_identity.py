@@ -125,3 +125,60 @@ def test_one_client_id_with_two_system_prompts_gets_two_slot_keys():
     assert main.id == helper.id == plain.id == "cc"
     assert len({main.key, helper.key, plain.key}) == 3
     assert len({main.stem, helper.stem, plain.stem}) == 3
+
+
+# -- details the mutation check found unguarded -------------------------------
+@pytest.mark.parametrize("session_id,stem", [
+    ("chat-1", "chat-1-eaeb9111b1c67442"),
+    ("X-ray_", "X-ray-9597394f3e49ccfb"),
+    ("Chat ABC/../x", "Chat_ABC_x-569defb6543c132a"),
+    ("../../x", "x-9cdf6a50100a862e"),
+    ("日本", "session-cf2abf0c5be326cb"),
+    ("\ud800", "session-91a681b998555fb4"),  # a lone surrogate from a JSON body
+])
+def test_file_names_stay_the_same_across_versions(session_id, stem):
+    """A session whose file name changes loses its saved cache on upgrade."""
+    assert identity.file_stem(session_id) == stem
+
+
+def test_text_of_joins_text_parts_and_skips_everything_else():
+    parts = [{"type": "text", "text": "a"}, {"type": "image_url"}, "loose", {"text": 3},
+             {"type": "text", "text": "b"}]
+    assert identity.text_of(parts) == "ab"
+    assert identity.text_of(None) == identity.text_of(42) == ""
+    assert identity.system_prompt([{"role": "system", "content": "one"},
+                                   {"role": "developer", "content": "two"}]) == "one\ntwo"
+
+
+@pytest.mark.parametrize("messages,stream,expected", [
+    ([{"role": "user", "content": "### Task:\nTags"}], False, ("side", "side-request", False)),
+    ([], True, ("default", "default", False)),
+    (SYSTEM + [{"role": "user", "content": "hi"}], True, (None, "conversation-hash", True)),
+])
+def test_each_fallback_names_its_source_and_persistence(messages, stream, expected):
+    session = identity.resolve({}, {}, messages, stream=stream, header_names=HEADERS)
+    session_id, source, persistent = expected
+    assert (session.source, session.persistent) == (source, persistent)
+    assert session_id is None or session.id == session_id
+
+
+def test_system_mode_names_its_source():
+    session = resolve(messages=SYSTEM, anonymous="system")
+    assert (session.source, session.persistent) == ("system-hash", True)
+
+
+def test_conversation_hash_covers_the_system_prompt_and_keeps_its_hash():
+    """Two chats opening with the same question behind different system prompts are
+    different conversations; each keeps its system prompt's hash for base snapshots."""
+    question = [{"role": "user", "content": "hi"}]
+    one = identity.resolve({}, {}, SYSTEM + question, stream=True, header_names=HEADERS)
+    two = identity.resolve({}, {}, [{"role": "system", "content": "Other."}] + question,
+                           stream=True, header_names=HEADERS)
+    assert one.id != two.id
+    assert one.system_hash == identity.short_hash("You are terse.")
+
+
+def test_conversation_ids_stay_the_same_across_versions():
+    """An id-less conversation finds its file again after an upgrade."""
+    messages = SYSTEM + [{"role": "user", "content": "hi"}]
+    assert resolve(messages=messages).id == "conv-11cfbddde3f23bfb"

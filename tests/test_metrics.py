@@ -131,13 +131,6 @@ def test_active_session_comes_from_the_state_file(app):
     assert sample(families, "kvproxy_slot_tokens") == 42
 
 
-def test_evictions_are_counted():
-    before = metrics.EVICTIONS._value.get(), metrics.EVICTED_BYTES._value.get()
-    metrics.observe_eviction(1000)
-    assert metrics.EVICTIONS._value.get() == before[0] + 1
-    assert metrics.EVICTED_BYTES._value.get() == before[1] + 1000
-
-
 def test_a_request_is_counted_and_logged_with_session_and_cache(app, upstream, caplog):
     caplog.set_level(logging.INFO, logger="kvproxy.requests")
     add_chat(upstream, stream=False)
@@ -185,7 +178,7 @@ def test_a_streamed_request_is_logged_when_it_closes(app, upstream, caplog):
     assert len(chat) == 1, chat
     assert chat[0]["streamed"] == "true"
     assert chat[0]["session"] == response.headers["X-KVProxy-Session"]
-    assert chat[0]["cache"] in ("hit", "restored", "base", "miss")
+    assert chat[0]["cache"] == response.headers["X-KVProxy-Cache"] == "miss"
     assert float(chat[0]["duration_ms"]) >= 0
 
 
@@ -221,7 +214,7 @@ def test_real_switch_shows_in_metrics(stack, http):
     ask(9102, "What is rule 2?")
     again = ask(9101, "What is rule 1?")   # the first session comes back
     assert again.headers["X-KVProxy-Session"] == first.headers["X-KVProxy-Session"]
-    assert again.headers["X-KVProxy-Cache"] in ("restored", "hit")
+    assert again.headers["X-KVProxy-Cache"] == "restored"
     after = _real_scrape(stack.url)
 
     def grew(family: str, name: str, **labels: str) -> float:
@@ -229,7 +222,9 @@ def test_real_switch_shows_in_metrics(stack, http):
 
     actions = {kind: grew("kvproxy_swaps", "kvproxy_swaps_total", kind=kind)
                for kind in ("save", "restore", "erase")}
-    assert actions["save"] > 0 and (actions["restore"] > 0 or actions["erase"] > 0), actions
+    # 9102 took the slot (save), then the first session came back from its file (restore)
+    assert actions["save"] >= 2 and actions["restore"] >= 1, actions
+    assert grew("kvproxy_swap_seconds", "kvproxy_swap_seconds_count", kind="restore") >= 1
     assert grew("kvproxy_prompt_tokens", "kvproxy_prompt_tokens_total", kind="reused") > 0
     assert grew("kvproxy_swap_seconds", "kvproxy_swap_seconds_count", kind="save") > 0
     assert sample(after, "kvproxy_slot_dir_bytes") > 0

@@ -318,12 +318,25 @@ def upstream():
 
 @pytest.fixture
 def app(tmp_path, upstream):
+    """The app with the slot switch replaced by a recorder of leases taken and given back.
+
+    Afterwards every lease a route took must have been given back: a stream that
+    kept its lease would block every later request.
+    """
     application = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM})
     switch = application.extensions["kvproxy.switch"]
-    switch.sessions = []
-    switch.acquire = lambda session: switch.sessions.append(session) or Lease(session, "miss")
-    switch.release = lambda lease, timings=None: None
-    return application
+    switch.sessions, taken, switch.released = [], [], {}
+
+    def acquire(session):
+        switch.sessions.append(session)
+        taken.append(Lease(session, "miss"))
+        return taken[-1]
+
+    switch.acquire = acquire
+    switch.release = lambda lease, timings=None: switch.released.setdefault(id(lease), timings)
+    yield application
+    kept = [lease.session.id for lease in taken if id(lease) not in switch.released]
+    assert not kept, f"leases never given back: {kept}"
 
 
 @pytest.fixture
@@ -364,7 +377,7 @@ def test_unknown_model_is_404_everywhere(client):
         assert response.json["error"].startswith("model 'llama3' not found")
 
 
-def test_chat_streams_ndjson_and_sends_options_upstream(client, upstream):
+def test_chat_streams_ndjson_and_sends_options_upstream(client, app, upstream):
     upstream.add(responses.POST, f"{UPSTREAM}/v1/chat/completions", body=sse(
         {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hel"}}]},
         {"choices": [{"index": 0, "delta": {"content": "lo"}}]},
@@ -380,6 +393,8 @@ def test_chat_streams_ndjson_and_sends_options_upstream(client, upstream):
     assert "".join(o["message"]["content"] for o in objects) == "Hello"
     assert all(o["message"]["role"] == "assistant" for o in objects)
     assert objects[-1]["done"] and objects[-1]["prompt_eval_count"] == 10
+    # the timings of the last chunk are handed back with the lease
+    assert list(app.extensions["kvproxy.switch"].released.values()) == [TIMINGS]
     sent = sent_bodies(upstream, "/v1/chat/completions")[0]
     assert sent["stream"] is True and sent["max_tokens"] == 2 and sent["temperature"] == 0
     assert "bogus" not in sent

@@ -20,6 +20,16 @@ def ask(client, system, question, session=None):
     return raw.parse().usage, raw.headers
 
 
+def chat_turn(client, history, session):
+    """One turn of a growing conversation; the answer joins ``history``."""
+    raw = client.chat.completions.with_raw_response.create(
+        model="any", max_tokens=8, temperature=0, messages=history,
+        extra_headers={"X-Session-Id": session})
+    reply = raw.parse()
+    history.append({"role": "assistant", "content": reply.choices[0].message.content})
+    return reply.usage, raw.headers
+
+
 def cached_share(usage):
     return usage.prompt_tokens_details.cached_tokens / usage.prompt_tokens
 
@@ -27,6 +37,15 @@ def cached_share(usage):
 @pytest.fixture(scope="module")
 def client(stack):
     return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def saved_a_and_b(stack, client):
+    """conv-a and conv-b both have slot files, whichever tests ran before (A, B, A)."""
+    for system, question, session in ((SYSTEM_A, "Summarise rule 1.", "conv-a"),
+                                      (SYSTEM_B, "Summarise rule 2.", "conv-b"),
+                                      (SYSTEM_A, "Summarise rule 1.", "conv-a")):
+        ask(client, system, question, session)
 
 
 def test_prompts_are_long(stack):
@@ -45,24 +64,37 @@ def test_a_b_a_reuses_a_from_its_slot_file(stack, client):
     assert cached_share(usage) >= 0.9, usage
 
 
-def test_restart_of_llama_server_restores_from_disk(stack, client):
+def test_restart_of_llama_server_restores_from_disk(stack, client, saved_a_and_b):
+    ask(client, SYSTEM_A, "Summarise rule 1.", "conv-a")
     stack.llama.restart()
     usage, headers = ask(client, SYSTEM_A, "Summarise rule 1.", "conv-a")
     assert headers["x-kvproxy-cache"] == "restored"
     assert cached_share(usage) >= 0.9, usage
 
 
-def test_restart_of_both_processes_restores_from_disk(stack, client):
-    ask(client, SYSTEM_B, "Summarise rule 2.", "conv-b")
+def test_restart_of_both_processes_restores_what_the_shutdown_saved(stack, client, saved_a_and_b):
+    """The conversation grows after its last swap, so only the save at shutdown holds the
+    newest turn: after both processes restart, the newest turn is reused, not only the old file."""
+    history = [{"role": "system", "content": SYSTEM_B},
+               {"role": "user", "content": "Summarise rule 2."}]
+    older, _ = chat_turn(client, history, "conv-b")              # restored from its file
+    history.append({"role": "user", "content": "Now read this appendix.\n" + long_text(300, seed=203)})
+    newer, headers = chat_turn(client, history, "conv-b")        # same session: no swap, no save
+    assert headers["x-kvproxy-cache"] == "hit"
+    assert newer.prompt_tokens > older.prompt_tokens + 300
     stack.stop_proxy()          # saves the active session (conv-b) on the way out
     stack.llama.restart()
     stack.start_proxy()
-    usage, headers = ask(client, SYSTEM_B, "Summarise rule 2.", "conv-b")
+    history.append({"role": "user", "content": "Which rule did the appendix add?"})
+    usage, headers = chat_turn(client, history, "conv-b")
     assert headers["x-kvproxy-cache"] == "restored"
-    assert cached_share(usage) >= 0.9, usage
+    reused = usage.prompt_tokens_details.cached_tokens
+    assert reused > older.prompt_tokens + 300, (usage, older, newer)
+    assert reused >= newer.prompt_tokens - 16, (usage, newer)
 
 
-def test_session_endpoints_show_real_files(stack):
+def test_session_endpoints_show_real_files(stack, client, saved_a_and_b):
+    ask(client, SYSTEM_B, "Summarise rule 2.", "conv-b")
     listing = {s["session_id"]: s for s in requests.get(stack.url + "/api/sessions", timeout=10).json()}
     for session in ("conv-a", "conv-b"):
         entry = listing[session]
@@ -73,18 +105,22 @@ def test_session_endpoints_show_real_files(stack):
     assert current["session_id"] == "conv-b" and current["file_exists"]
 
 
-def test_delete_removes_files_and_unknown_is_404(stack):
+def test_delete_removes_files_and_unknown_is_404(stack, client):
+    ask(client, "Be brief.", "hi", "conv-gone")
+    ask(client, "Be brief.", "hi", "conv-stays")  # conv-gone is saved to disk
     entry = next(s for s in requests.get(stack.url + "/api/sessions", timeout=10).json()
-                 if s["session_id"] == "conv-a")
-    reply = requests.delete(stack.url + "/api/sessions/conv-a", timeout=30)
+                 if s["session_id"] == "conv-gone")
+    assert (stack.slot_dir / entry["file"]).exists()
+    reply = requests.delete(stack.url + "/api/sessions/conv-gone", timeout=30)
     assert reply.status_code == 204
     assert not (stack.slot_dir / entry["file"]).exists()
     assert not (stack.slot_dir / entry["file"].replace(".bin", ".json")).exists()
-    missing = requests.delete(stack.url + "/api/sessions/conv-a", timeout=30)
-    assert missing.status_code == 404 and "conv-a" in missing.json()["message"]
+    missing = requests.delete(stack.url + "/api/sessions/conv-gone", timeout=30)
+    assert missing.status_code == 404 and "conv-gone" in missing.json()["message"]
 
 
 def test_clear_resets_to_default(stack, client):
+    ask(client, SYSTEM_B, "Summarise rule 2.", "conv-b")
     reply = requests.post(stack.url + "/api/sessions/clear", timeout=30)
     assert reply.status_code == 200 and reply.json()["session_id"] == "default"
     assert requests.get(stack.url + "/api/sessions/current", timeout=10).json()["session_id"] == "default"

@@ -1,0 +1,180 @@
+"""Protections of the slot switch that the swap tests alone do not reach (llama-server stubbed):
+the save at shutdown, restart detection after an empty start, every part of the model
+fingerprint, the cross-process lock, the restore-miss streak, clear() on ``default``,
+and eviction as /metrics counts it."""
+import pytest
+import responses
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvproxy import create_app
+from kvproxy.identity import Session
+from kvproxy.llama import LlamaClient
+from kvproxy.store import SessionStore
+from kvproxy.switch import HIT, MISS, RESTORED, SlotBusy, SlotSwitch
+from tests.fake_llama import UPSTREAM, FakeLlama
+
+A = Session("A", "test", system_hash="aaaa")
+B = Session("B", "test", system_hash="bbbb")
+DEFAULT = Session("default", "default", persistent=False)
+
+
+@pytest.fixture
+def fake(tmp_path):
+    with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
+        yield FakeLlama(mock, tmp_path)
+
+
+def make_switch(tmp_path, **kwargs):
+    kwargs.setdefault("base_snapshots", False)
+    return SlotSwitch(LlamaClient(UPSTREAM), SessionStore(tmp_path), **kwargs)
+
+
+def answer(switch, session, fake, slot_tokens, cache_n=0):
+    """One request: take the slot, 'generate' until it holds ``slot_tokens``, release."""
+    lease = switch.acquire(session)
+    fake.tokens = slot_tokens
+    switch.release(lease, {"cache_n": cache_n, "prompt_n": slot_tokens - cache_n - 1,
+                           "predicted_n": 1})
+    return lease
+
+
+# -- the save at shutdown ------------------------------------------------------
+def test_checkpoint_saves_the_newest_tokens_and_a_restart_of_both_restores_them(tmp_path, fake):
+    switch = make_switch(tmp_path)
+    answer(switch, A, fake, 100)
+    answer(switch, B, fake, 100)     # A saved with 100 tokens
+    answer(switch, A, fake, 100)     # A restored, B saved
+    answer(switch, A, fake, 300)     # A grows after its last swap: its file still has 100
+    assert SessionStore(tmp_path).read_sidecar(A.stem)["n_tokens"] == 100
+    assert switch.checkpoint() is True
+    assert SessionStore(tmp_path).read_sidecar(A.stem)["n_tokens"] == 300
+    assert (tmp_path / f"{A.stem}.bin").stat().st_size == 300 + 4
+    fake.tokens = 0                  # llama-server restarted; a new proxy over the same folder
+    lease = make_switch(tmp_path).acquire(A)
+    assert lease.cache == RESTORED and lease.restored_tokens == 300
+
+
+def test_checkpoint_never_saves_default_or_an_emptied_slot(tmp_path, fake):
+    switch = make_switch(tmp_path)
+    answer(switch, DEFAULT, fake, 50)
+    assert switch.checkpoint() is False and not list(tmp_path.glob("*.bin"))
+    answer(switch, A, fake, 50)
+    fake.tokens = 0                  # llama-server restarted: nothing to save
+    assert switch.checkpoint() is False and not list(tmp_path.glob("*.bin"))
+
+
+# -- restart detection -----------------------------------------------------------
+def test_restart_is_noticed_after_a_session_that_started_empty(tmp_path, fake):
+    """Only the answer's timings say what the slot holds when the swap restored nothing."""
+    switch = make_switch(tmp_path)
+    assert answer(switch, A, fake, 40).cache == MISS
+    fake.tokens = 0                  # llama-server restarted
+    assert switch.acquire(A).cache != HIT, "the slot lost the session: not a hit"
+    assert [a for a, _ in fake.actions] == ["erase", "erase"]
+
+
+def test_an_emptied_slot_that_started_empty_is_not_saved_over_the_session(tmp_path, fake):
+    switch = make_switch(tmp_path)
+    answer(switch, A, fake, 40)
+    fake.tokens = 0                  # llama-server restarted
+    answer(switch, B, fake, 40)
+    assert ("save", f"{A.stem}.bin") not in fake.actions
+    assert not SessionStore(tmp_path).has_bin(A.stem)
+
+
+# -- the model fingerprint ---------------------------------------------------------
+def _change_model(fake, part: str) -> None:
+    settings = fake.props["default_generation_settings"]
+    meta = fake.models["data"][0]["meta"]
+    if part == "model_path":
+        fake.props["model_path"] = "/models/other.gguf"
+    elif part == "n_ctx":
+        settings["n_ctx"] = settings["n_ctx"] // 2
+    elif part == "build_info":
+        fake.props["build_info"] = "b2-other"
+    elif part == "model_size":
+        meta["size"] += 1
+    elif part == "n_params":
+        meta["n_params"] += 1
+
+
+@pytest.mark.parametrize("part", ["model_path", "n_ctx", "build_info", "model_size", "n_params"])
+def test_file_made_with_anything_else_is_refused(tmp_path, fake, part):
+    switch = make_switch(tmp_path)
+    answer(switch, A, fake, 100)
+    answer(switch, B, fake, 100)
+    _change_model(fake, part)
+    lease = switch.acquire(A)
+    assert lease.cache == MISS
+    assert ("restore", f"{A.stem}.bin") not in fake.actions
+    assert SessionStore(tmp_path).read_sidecar(A.stem)["refused"]
+
+
+# -- two proxies on one slot folder --------------------------------------------------
+def test_two_proxies_on_one_slot_folder_take_turns(tmp_path, fake):
+    """Two switches (two processes) with their own thread locks share the folder's lock."""
+    first = make_switch(tmp_path, lock_timeout=0.3)
+    second = make_switch(tmp_path, lock_timeout=0.3)
+    lease = first.acquire(A)
+    with pytest.raises(SlotBusy):
+        second.acquire(B)
+    fake.tokens = 20
+    first.release(lease, {"cache_n": 0, "prompt_n": 19, "predicted_n": 1})
+    assert second.acquire(B).cache == MISS
+    assert fake.actions[-2:] == [("save", f"{A.stem}.bin"), ("erase", None)]
+
+
+# -- the restore-miss streak ------------------------------------------------------------
+def test_an_honoured_restore_resets_the_streak_of_unhonoured_ones(tmp_path, fake):
+    switch = make_switch(tmp_path, restore_miss_limit=2)
+    answer(switch, A, fake, 500)
+    answer(switch, B, fake, 500)
+    assert answer(switch, A, fake, 510, cache_n=0).cache == RESTORED     # not honoured: 1
+    assert answer(switch, B, fake, 510, cache_n=499).cache == RESTORED   # honoured: back to 0
+    assert answer(switch, A, fake, 520, cache_n=0).cache == RESTORED     # not honoured: 1
+    assert switch.acquire(B).cache == RESTORED, "one miss in a row must not switch restoring off"
+
+
+# -- clear() ----------------------------------------------------------------------------
+def test_clear_erases_a_slot_that_already_holds_default(tmp_path, fake):
+    switch = make_switch(tmp_path)
+    answer(switch, DEFAULT, fake, 30)
+    erases = fake.actions.count(("erase", None))
+    switch.clear()
+    assert fake.actions.count(("erase", None)) == erases + 1 and fake.tokens == 0
+
+
+# -- eviction ---------------------------------------------------------------------------
+def _sample(client, name: str) -> float:
+    text = client.get("/metrics").get_data(as_text=True)
+    return next((s.value for f in text_string_to_metric_families(text) for s in f.samples
+                 if s.name == name), 0.0)
+
+
+def test_evictions_show_in_metrics(tmp_path, fake):
+    """Each saved file is 16 bytes; a bound of 40 bytes keeps two of them."""
+    app = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM,
+                      "max_disk_gb": 40.5 / 1024**3, "base_snapshots": False})
+    client = app.test_client()
+    before = _sample(client, "kvproxy_evictions_total"), _sample(client, "kvproxy_evicted_bytes_total")
+    names = ["s1", "s2", "s3", "s4", "s1"]
+    for name in names:
+        reply = client.post("/v1/chat/completions", headers={"X-Session-Id": name},
+                            json={"messages": [{"role": "user", "content": "hi"}]})
+        assert reply.status_code == 200
+    saved = {file for action, file in fake.actions if action == "save"}
+    gone = [file for file in saved if not (tmp_path / file).exists()]
+    assert len(saved) == 4 and len(gone) == 2, (saved, gone)
+    assert sum(p.stat().st_size for p in tmp_path.glob("*.bin")) <= 40
+    assert _sample(client, "kvproxy_evictions_total") == before[0] + len(gone)
+    assert _sample(client, "kvproxy_evicted_bytes_total") == before[1] + 16 * len(gone)
+
+
+@pytest.mark.parametrize("slot,empty", [
+    ({"id": 0, "n_ctx": 8192}, True),                                 # fresh llama-server
+    ({"id": 0, "id_task": 7, "n_prompt_tokens": 0}, True),            # a task ran, then emptied
+    ({"id": 0, "id_task": 7, "n_prompt_tokens": 120}, False),
+])
+def test_what_counts_as_an_emptied_slot(slot, empty):
+    from kvproxy.switch import slot_is_empty
+    assert slot_is_empty(slot) is empty
