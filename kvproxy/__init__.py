@@ -66,4 +66,6 @@ def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
     body_limit.init_app(app)
     errors.init_app(app, api)
     metrics.init_app(app)
+    from . import status  # GET /status and /api/status
+    status.init_app(app, api)
     return app

@@ -112,7 +112,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("slot_id", "0", _number(0, 4095, whole=True),
             "The llama-server slot kvproxy manages (run llama-server with -np 1)."),
     Setting("admin_token", "", str,
-            "When set, the /api/sessions endpoints need 'Authorization: Bearer <token>'."),
+            "When set, the admin API (/api/sessions, /api/status) needs 'Authorization: Bearer <token>'."),
     Setting("node_name", "", _node_name,
             "Name of this machine, sent in the X-KVProxy-Node header of every reply (several "
             "machines behind one balancer); empty: the host name."),

@@ -59,8 +59,8 @@ ACTIVE_HELP = ("The kind of session the slot holds (value 1): client (an id the 
 
 log = logging.getLogger("kvproxy.requests")
 
-# Polled by monitors and health checks: their request lines go out at DEBUG only.
-QUIET_ROUTES = frozenset({"/health", "/metrics"})
+# Polled by monitors, health checks and the status page: their request lines go out at DEBUG only.
+QUIET_ROUTES = frozenset({"/health", "/metrics", "/api/status"})
 
 
 def observe_swap(kind: str, seconds: float, n_bytes: int) -> None:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 from . import disk, metrics
 from .identity import DEFAULT_SESSION, Session, base_stem
+from .activity import RecentActivity
 from .llama import LlamaClient, UpstreamError, UpstreamUnavailable
 from .plan import (EMPTY, FOREIGN, OURS, UNKNOWN, fingerprint, fingerprint_key, judge_slot,
                    plan_swap)
@@ -79,6 +80,7 @@ class SlotSwitch:
                  max_waiters: int = 32, restore_off_minutes: float = 60):
         self.client = client
         self.store = store
+        self.activity = RecentActivity()  # recent swaps and outcomes, for /status and the CLI
         self.slot_id = slot_id
         self.base_snapshots = base_snapshots
         self.max_disk_bytes = max_disk_bytes
@@ -163,6 +165,10 @@ class SlotSwitch:
             unlock()
 
     # -- swapping ----------------------------------------------------------
+    def busy(self) -> bool:
+        """Whether a request (or an admin action) in this process holds the slot now."""
+        return self._thread_lock.locked()
+
     def current_made_by(self) -> dict:
         return fingerprint(self.client.props(), self.client.models())
 
@@ -417,6 +423,7 @@ class SlotSwitch:
         predicted_n = int(timings.get("predicted_n") or 0)
         metrics.TOKENS.labels("reused").inc(cache_n)
         metrics.TOKENS.labels("computed").inc(prompt_n)
+        self.activity.record(lease, timings)
         state = self.store.read_state()
         if timings:  # what the slot now holds: compared with /slots before the next swap
             held = cache_n + prompt_n + predicted_n

@@ -20,7 +20,7 @@ ANTHROPIC_PATHS = ("/v1/messages", "/messages")
 OPENAI_PATHS = ("/v1/", "/chat/", "/completion", "/models", "/embedding", "/responses",
                 "/infill", "/rerank", "/tokenize", "/detokenize", "/apply-template", "/props",
                 "/slots", "/lora-adapters", "/audio/")
-ADMIN_PATHS = ("/api/sessions", "/api/openapi")
+ADMIN_PATHS = ("/api/sessions", "/api/status", "/api/openapi")
 
 
 def renderer_for(path: str):

@@ -1,0 +1,229 @@
+"""``python -m kvproxy``: look at and steer a running kvproxy over its admin API.
+
+Exit codes scripts can rely on:
+  0 done; 1 not found (``rm`` of an unknown id); 2 usage error;
+  3 kvproxy cannot be reached (refused, timed out, not kvproxy);
+  4 refused: the admin token is missing or wrong; 5 kvproxy answered with an error (busy, 5xx).
+Errors go to stderr in one line; ``--json`` prints machine-readable results on stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from datetime import datetime, timezone
+from typing import Any, Callable
+from urllib.parse import quote
+
+import requests
+
+OK, NOT_FOUND, USAGE, UNREACHABLE, AUTH, SERVER_ERROR = 0, 1, 2, 3, 4, 5
+DEFAULT_URL = "http://127.0.0.1:11434"
+
+
+class CliError(Exception):
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class AdminClient:
+    """The admin API of one kvproxy, every call bounded."""
+
+    def __init__(self, url: str, token: str, timeout: float):
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.http = requests.Session()
+        if token:
+            self.http.headers["Authorization"] = f"Bearer {token}"
+
+    def call(self, method: str, path: str, **params: Any) -> requests.Response:
+        try:
+            response = self.http.request(method, self.url + path, params=params or None,
+                                         timeout=(min(self.timeout, 5), self.timeout))
+        except requests.RequestException as exc:
+            raise CliError(UNREACHABLE, f"cannot reach kvproxy at {self.url}: "
+                                        f"{exc.__class__.__name__}") from None
+        if response.status_code == 401:
+            raise CliError(AUTH, "kvproxy refused the admin token: set KVPROXY_ADMIN_TOKEN "
+                                 "to the token kvproxy runs with")
+        if response.status_code == 404 and method == "DELETE":
+            return response
+        if response.status_code >= 400:
+            raise CliError(SERVER_ERROR if response.status_code != 404 else UNREACHABLE,
+                           f"{method} {path}: HTTP {response.status_code}: {_message(response)}")
+        return response
+
+    def json(self, path: str, **params: Any) -> Any:
+        response = self.call("GET", path, **params)
+        try:
+            return response.json()
+        except ValueError:
+            raise CliError(UNREACHABLE, f"{self.url} did not answer like kvproxy "
+                                        f"(no JSON from {path})") from None
+
+
+def _message(response: requests.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip()[:200] or response.reason
+    if isinstance(body, dict):
+        error = body.get("error")
+        return str(body.get("message") or (error.get("message") if isinstance(error, dict) else error)
+                   or body)
+    return str(body)
+
+
+# -- output ----------------------------------------------------------------------
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TB"
+
+
+def ago(iso: str | None, now: datetime | None = None) -> str:
+    if not iso:
+        return "-"
+    try:
+        then = datetime.fromisoformat(iso.replace("Z", "+00:00"))
+    except ValueError:
+        return iso
+    seconds = max(0, ((now or datetime.now(timezone.utc)) - then).total_seconds())
+    for size, unit in ((86400, "d"), (3600, "h"), (60, "min")):
+        if seconds >= size:
+            return f"{seconds // size:.0f} {unit} ago"
+    return f"{seconds:.0f} s ago"
+
+
+def table(headers: list[str], rows: list[list[Any]]) -> str:
+    """Plain columns, as ``ollama ps`` prints them."""
+    cells = [headers] + [["-" if c is None else str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    return "\n".join("   ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
+
+
+def percent(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio * 100:.1f}%"
+
+
+def restore_text(check: dict) -> str:
+    if check.get("restoring_off"):
+        return f"switched off since {check.get('off_since')}"
+    if check.get("restoring_off") is None:
+        return "unknown (llama-server did not say which model runs)"
+    return f"on ({check.get('misses_in_a_row', 0)} unhonoured restores in a row)"
+
+
+# -- commands ----------------------------------------------------------------------
+def cmd_ps(client: AdminClient, args) -> tuple[Any, str]:
+    data = client.json("/api/status", sessions="0")
+    llama = data["llama_server"]
+    rows = [[s["id"], s["session_id"], "busy" if s["busy"] else "idle", s["tokens"],
+             ago(s.get("since"))] for s in data["slots"]]
+    text = table(["SLOT", "SESSION", "STATE", "TOKENS", "SINCE"], rows)
+    text += f"\nllama-server {llama['status']}: {llama.get('model') or '-'} at {llama['url']}"
+    return {"slots": data["slots"], "llama_server": llama}, text
+
+
+def cmd_sessions(client: AdminClient, args) -> tuple[Any, str]:
+    data = client.json("/api/status")
+    sessions = data["sessions"]
+    rows = [[s["id"], human_bytes(s["bytes"]), s["tokens"], ago(s["last_used"]), s["hits"],
+             s["restores"], s["last_cache"]] for s in sessions]
+    text = table(["SESSION", "SIZE", "TOKENS", "LAST USED", "HITS", "RESTORES", "LAST"], rows)
+    return sessions, text if sessions else "no saved sessions"
+
+
+def cmd_rm(client: AdminClient, args) -> tuple[Any, str]:
+    response = client.call("DELETE", "/api/sessions/" + quote(args.session_id, safe=""))
+    if response.status_code == 404:
+        raise CliError(NOT_FOUND, f"no saved session {args.session_id!r}")
+    return {"deleted": args.session_id}, f"deleted {args.session_id}"
+
+
+def cmd_clear(client: AdminClient, args) -> tuple[Any, str]:
+    answer = client.call("POST", "/api/sessions/clear").json()
+    return answer, "slot cleared (the session it held was saved first)"
+
+
+def cmd_stats(client: AdminClient, args) -> tuple[Any, str]:
+    data = client.json("/api/status")
+    stats, disk = data["stats"], data["disk"]
+    outcomes = stats["outcomes"]
+    bound = human_bytes(disk["bound_bytes"]) if disk["bound_bytes"] else "no bound"
+    lines = [
+        f"requests      {stats['requests']} since {stats['since']}",
+        f"hit ratio     {percent(stats['hit_ratio'])} (hit {outcomes['hit']}, restored "
+        f"{outcomes['restored']}, base {outcomes['base']}, miss {outcomes['miss']})",
+        f"tokens        {stats['tokens']['reused']} reused, {stats['tokens']['computed']} computed "
+        f"({percent(stats['reuse_ratio'])} reused)",
+        f"disk          {human_bytes(disk['used_bytes'])} in {disk['files']} files of {bound}; "
+        f"{human_bytes(disk['free_bytes'])} free",
+        f"saved         {len(data['sessions'])} sessions, {len(data['bases'])} base snapshots",
+        f"restoring     {restore_text(data['restore_check'])}",
+    ]
+    machine = {"stats": stats, "disk": disk, "sessions": len(data["sessions"]),
+               "bases": len(data["bases"]), "restore_check": data["restore_check"]}
+    return machine, "\n".join(lines)
+
+
+COMMANDS: dict[str, tuple[Callable, str]] = {
+    "ps": (cmd_ps, "the slots and the session each holds"),
+    "sessions": (cmd_sessions, "the saved sessions as a table"),
+    "rm": (cmd_rm, "delete a saved session (exit 1 when there is none)"),
+    "clear": (cmd_clear, "save the session the slot holds, then empty the slot"),
+    "stats": (cmd_stats, "hit ratio, tokens reused and computed, disk"),
+}
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2
+        self.exit(USAGE, f"kvproxy: usage error: {message} (see --help)\n")
+
+
+def parser() -> argparse.ArgumentParser:
+    # --url, --json and --timeout work before or after the command.
+    common = Parser(add_help=False)
+    common.add_argument("--url", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                        help="print JSON for machines")
+    common.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    top = Parser(prog="python -m kvproxy",
+                 description="Look at and steer a running kvproxy over its admin API.",
+                 epilog="exit codes: 0 ok, 1 not found, 2 usage, 3 cannot reach kvproxy, "
+                        "4 admin token refused, 5 kvproxy answered with an error",
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    top.add_argument("--url", default=os.environ.get("KVPROXY_URL", DEFAULT_URL),
+                     help="kvproxy's address (default: $KVPROXY_URL or %(default)s)")
+    top.add_argument("--json", action="store_true", help="print JSON for machines")
+    top.add_argument("--timeout", type=float, default=10, help="seconds to wait (default 10)")
+    commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                  parser_class=Parser)
+    for name, (_, help_text) in COMMANDS.items():
+        sub = commands.add_parser(name, help=help_text, description=help_text, parents=[common])
+        if name == "rm":
+            sub.add_argument("session_id", help="the session id, as listed by 'sessions'")
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    client = AdminClient(args.url, os.environ.get("KVPROXY_ADMIN_TOKEN", ""), args.timeout)
+    try:
+        machine, text = COMMANDS[args.command][0](client, args)
+    except CliError as exc:
+        print(f"kvproxy: {exc}", file=sys.stderr)
+        return exc.code
+    except (KeyError, TypeError, ValueError) as exc:
+        print(f"kvproxy: {args.url} did not answer like kvproxy ({exc.__class__.__name__})",
+              file=sys.stderr)
+        return UNREACHABLE
+    print(json.dumps(machine, indent=2) if args.json else text)
+    return OK
