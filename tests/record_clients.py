@@ -50,17 +50,17 @@ def record_anthropic(url: str) -> list[str]:
     import anthropic
     client = anthropic.Anthropic(base_url=url, api_key="dummy", max_retries=0, timeout=300)
     history = [{"role": "user", "content": "Name a colour."}]
-    first = client.messages.create(model="claude-sonnet-4-5", max_tokens=24, system=SYSTEM,
+    first = client.messages.create(model="claude-opus-5-5", max_tokens=24, system=SYSTEM,
                                    messages=history)
     history += [{"role": "assistant", "content": first.content[0].text},
                 {"role": "user", "content": "And another one?"}]
-    client.messages.count_tokens(model="claude-sonnet-4-5", system=SYSTEM, messages=history)
-    with client.messages.stream(model="claude-sonnet-4-5", max_tokens=24, system=SYSTEM,
+    client.messages.count_tokens(model="claude-opus-5-5", system=SYSTEM, messages=history)
+    with client.messages.stream(model="claude-opus-5-5", max_tokens=24, system=SYSTEM,
                                 messages=history) as stream:
         second = stream.get_final_message()
     history += [{"role": "assistant", "content": [b.model_dump() for b in second.content]},
                 {"role": "user", "content": "What is the weather in Paris?"}]
-    client.messages.create(model="claude-sonnet-4-5", max_tokens=24, system=SYSTEM,
+    client.messages.create(model="claude-opus-5-5", max_tokens=24, system=SYSTEM,
                            messages=history, tools=[WEATHER])
     return ["create", "count-tokens", "stream", "tools"]
 
