@@ -21,6 +21,8 @@ QUIET_ENV = {"DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1",
 # bundled model's context. The request keeps Claude Code's own shape (system blocks,
 # the environment system message, thinking, context_management, output_config, betas).
 SMALL_PROMPT_ARGS = ("--tools", "", "--bare")
+# Claude Code asks for 128000 output tokens; a small model may ramble for minutes.
+SHORT_ANSWER_ENV = {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "64"}
 
 
 def claude_binary() -> str | None:
@@ -35,13 +37,13 @@ def claude_binary() -> str | None:
 
 def run_claude(binary: str, base_url: str, prompt: str, home: Path, workdir: Path, *,
                resume: str | None = None, extra_args: tuple[str, ...] = (),
-               timeout: float = 300) -> dict:
+               extra_env: dict[str, str] | None = None, timeout: float = 300) -> dict:
     """One ``claude -p PROMPT --output-format json`` turn; its JSON result."""
     home.mkdir(parents=True, exist_ok=True)
     workdir.mkdir(parents=True, exist_ok=True)
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home),
            "ANTHROPIC_BASE_URL": base_url, "ANTHROPIC_API_KEY": "dummy",
-           "NO_PROXY": "127.0.0.1,localhost", **QUIET_ENV}
+           "NO_PROXY": "127.0.0.1,localhost", **QUIET_ENV, **(extra_env or {})}
     command = [binary, "-p", prompt, "--output-format", "json", *extra_args]
     if resume:
         command += ["--resume", resume]

@@ -43,7 +43,7 @@ def turns(records: list[dict], shrink: int | None = None, keep_tools: int = 4) -
             body["system"] = shrink_texts(body["system"], shrink)
             body["messages"] = shrink_texts(body["messages"], shrink)
             body["tools"] = small_tools(body.get("tools") or [], keep_tools)
-        record["body"]["max_tokens"] = 16
+        record["body"]["max_tokens"] = 4
         record["body"]["temperature"] = 0
     third = copy.deepcopy(resumed)
     body = third["body"]

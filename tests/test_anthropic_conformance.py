@@ -135,8 +135,10 @@ def events_of(data: bytes) -> list[tuple[str, dict]]:
 def test_message_start_carries_the_first_chunks_prompt_figures():
     first = {"cache_n": 1200, "prompt_n": 34, "predicted_n": 1}
     last = {"cache_n": 1200, "prompt_n": 34, "predicted_n": 3}
-    chunks = [chunk({"role": "assistant", "content": None}, timings=first),
-              chunk({"content": "Hi"}, timings={**first, "predicted_n": 2}),
+    # as llama-server sends them: a bare role delta, then the first token with its timings
+    chunks = [chunk({"role": "assistant", "content": None}),
+              chunk({"content": "Hi"}, timings=first),
+              chunk({"content": "!"}, timings={**first, "predicted_n": 2}),
               chunk({}, "stop", timings=last)]
     events = events_of(b"".join(t.stream_events(
         [(b"", c) for c in chunks] + [(b"", None)], "claude-test")))
@@ -189,7 +191,8 @@ def stub_llama(mock: responses.RequestsMock, chunks: list[dict]) -> list[dict]:
 def test_recorded_claude_code_request_is_answered(app, record):
     timings = {"cache_n": 0, "prompt_n": 812, "predicted_n": 1}
     with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
-        sent = stub_llama(mock, [chunk({"content": "Hello"}, timings=timings),
+        sent = stub_llama(mock, [chunk({"role": "assistant", "content": None}),
+                                 chunk({"content": "Hello"}, timings=timings),
                                  chunk({}, "stop", timings={**timings, "predicted_n": 2})])
         reply = app.test_client().post(record["path"], json=record["body"],
                                        headers=record["headers"])

@@ -375,9 +375,14 @@ class StreamTranslator:
         yield sse("ping", {"type": "ping"})
 
     def feed(self, chunk: dict) -> Iterator[bytes]:
-        """Events for one upstream chunk."""
+        """Events for one upstream chunk.
+
+        llama-server sends the first token as two events, a bare role delta and then
+        the token with the timings: message_start waits for the second.
+        """
         self.timings = chunk.get("timings", self.timings)
-        yield from self.start()
+        if self.timings is not None or _has_output(chunk):
+            yield from self.start()
         self.verbose = chunk.get("__verbose", self.verbose)
         self.openai_usage = chunk.get("usage", self.openai_usage)
         for choice in chunk.get("choices") or []:
@@ -444,6 +449,16 @@ class StreamTranslator:
         if function.get("arguments"):
             self.args_sent = True
             yield self._delta({"type": "input_json_delta", "partial_json": function["arguments"]})
+
+
+def _has_output(chunk: dict) -> bool:
+    """Whether a chunk carries text, reasoning, a tool call or the finish."""
+    for choice in chunk.get("choices") or []:
+        delta = choice.get("delta") or {}
+        if (delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")
+                or choice.get("finish_reason")):
+            return True
+    return False
 
 
 def stream_events(events: Iterable[tuple[bytes, dict | None]], model: str,
