@@ -107,4 +107,5 @@ def test_claude_code_cli_second_turn_comes_from_the_cache(stack, claude, tmp_pat
     assert first["usage"]["input_tokens"] > 0
     listed = http.get(stack.url + "/api/sessions", timeout=10).json()
     mine = [s for s in listed if s["session_id"] == first["session_id"]]
-    assert mine and sum(s["hits"] for s in mine) >= 1, listed
+    # one slot file for the conversation: both turns ran in it, the second from the slot
+    assert len(mine) == 1 and mine[0]["hits"] >= 2 and mine[0]["last_cache"] == "hit", listed
