@@ -2,12 +2,13 @@
 
     .venv/bin/python -m bench.usage_start [--runs 10]
 
-Against a bare llama-server with the bundled model, for the recorded Claude Code
-request (its prompt is cached after the first run, as in a conversation):
+Against a bare llama-server with the bundled model:
   (1) ``timings_per_token``: the first token's chunk carries prompt_n and cache_n
-      (what kvproxy does): bytes per chunk and the whole stream's time, with and without;
-  (2) counting before streaming with /apply-template + /tokenize: the extra round trips,
-      which also cannot tell cached from computed tokens.
+      (what kvproxy does): bytes per chunk and the whole stream's time, with and without,
+      for the recorded Claude Code turn cut as in its replay test (the prompt is cached
+      after the first run, as in a conversation);
+  (2) counting before streaming with /apply-template + /tokenize, for the full recorded
+      prompt: the extra round trips, which also cannot tell cached from computed tokens.
 Prints medians; nothing is written.
 """
 from __future__ import annotations
@@ -24,7 +25,9 @@ import requests
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
 
+from claude_code_turns import turns  # noqa: E402
 from kvproxy.dialects import anthropic_translate  # noqa: E402
 from kvproxy.processes import LlamaServer  # noqa: E402
 
@@ -42,12 +45,14 @@ def stream(url: str, body: dict, per_token: bool) -> tuple[float, int, int]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=8, help="tokens per answer")
     args = parser.parse_args()
-    recorded = json.loads(RECORDED.read_text())["body"]
-    body = anthropic_translate.to_llama({**recorded, "tools": [], "max_tokens": 32,
-                                         "temperature": 0})
+    records = [json.loads(p.read_text()) for p in sorted(RECORDED.parent.glob("*.json"))]
+    short = turns(records, shrink=400)[1]["body"]
+    body = anthropic_translate.to_llama({**short, "max_tokens": args.tokens, "temperature": 0})
     body.update(id_slot=0, cache_prompt=True)
+    full = anthropic_translate.to_llama(records[1]["body"], count_only=True)
     with tempfile.TemporaryDirectory() as tmp, LlamaServer(tmp) as llama:
         stream(llama.url, body, False)  # prefill once; every run then reuses the prompt
         figures = {flag: [stream(llama.url, body, flag) for _ in range(args.runs)]
@@ -55,7 +60,7 @@ def main() -> int:
         counts = []
         for _ in range(args.runs):
             started = time.perf_counter()
-            prompt = requests.post(llama.url + "/apply-template", json=body, timeout=60).json()
+            prompt = requests.post(llama.url + "/apply-template", json=full, timeout=60).json()
             tokens = requests.post(llama.url + "/tokenize", json={"content": prompt["prompt"]},
                                    timeout=60).json()["tokens"]
             counts.append(time.perf_counter() - started)
