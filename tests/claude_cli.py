@@ -21,8 +21,8 @@ QUIET_ENV = {"DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1",
 # bundled model's context. The request keeps Claude Code's own shape (system blocks,
 # the environment system message, thinking, context_management, output_config, betas).
 SMALL_PROMPT_ARGS = ("--tools", "", "--bare")
-# Claude Code asks for 128000 output tokens; a small model may ramble for minutes.
-SHORT_ANSWER_ENV = {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "64"}
+# Not CLAUDE_CODE_MAX_OUTPUT_TOKENS: an answer cut at the limit makes Claude Code ask
+# again to continue (measured: four requests, then an error). Prompts ask for one word.
 
 
 def claude_binary() -> str | None:

@@ -20,7 +20,7 @@ import anthropic
 import pytest
 import requests
 
-from claude_cli import SHORT_ANSWER_ENV, SMALL_PROMPT_ARGS, claude_binary, run_claude
+from claude_cli import SMALL_PROMPT_ARGS, claude_binary, run_claude
 from claude_code_turns import anonymous, turns
 from recorder import load_fixtures
 
@@ -89,14 +89,14 @@ def claude():
     return binary
 
 
+@pytest.mark.timeout(900)
 def test_claude_code_cli_second_turn_comes_from_the_cache(stack, claude, tmp_path, http):
     home, workdir = tmp_path / "home", tmp_path / "project"
-    first = run_claude(claude, stack.url, "Say hello.", home, workdir,
-                       extra_args=SMALL_PROMPT_ARGS, extra_env=SHORT_ANSWER_ENV, timeout=300)
+    first = run_claude(claude, stack.url, "Reply with one word: hello.", home, workdir,
+                       extra_args=SMALL_PROMPT_ARGS, timeout=420)
     assert first["is_error"] is False and first["result"], first
-    second = run_claude(claude, stack.url, "Say it again.", home, workdir,
-                        resume=first["session_id"], extra_args=SMALL_PROMPT_ARGS,
-                        extra_env=SHORT_ANSWER_ENV, timeout=300)
+    second = run_claude(claude, stack.url, "Reply with one word: again.", home, workdir,
+                        resume=first["session_id"], extra_args=SMALL_PROMPT_ARGS, timeout=420)
     assert second["is_error"] is False and second["session_id"] == first["session_id"], second
     used = second["usage"]
     print(f"\nfirst turn usage: {first['usage']['input_tokens']} input, "
