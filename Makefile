@@ -12,7 +12,7 @@ BUILD_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 CLAUDE_CODE_VERSION := 2.1.332
 NPM_DIR := var/npm
 
-.PHONY: setup run test bench clean claude-cli
+.PHONY: setup run test test-deploy nginx bench clean claude-cli
 setup: $(VENV)/.requirements $(VENV)/.llama-server $(VENV)/.model
 
 $(VENV)/bin/python:
@@ -51,8 +51,23 @@ $(NPM_DIR)/.claude-code-$(CLAUDE_CODE_VERSION):
 run: setup
 	$(BIN)/python -m kvproxy.serve
 
-test: setup claude-cli
-	$(BIN)/python -m pytest
+test: setup nginx claude-cli
+	$(BIN)/python -m pytest -m "not deploy"
+
+# nginx in front of one and then two kvproxy + llama-server pairs (about 7 minutes).
+test-deploy: setup nginx
+	$(BIN)/python -m pytest -m deploy
+
+# Debian's nginx for the deployment tests (CI runs as root). The tests run their own
+# nginx on free ports; without nginx they are skipped and say why.
+nginx:
+	@command -v nginx >/dev/null || test -x /usr/sbin/nginx || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "== installing nginx (Debian package)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx >/dev/null; \
+	  else \
+	    echo "== nginx is not installed and cannot be installed here: apt-get install nginx"; \
+	  fi; }
 
 bench: setup
 	$(BIN)/python -m bench.run

@@ -1,7 +1,11 @@
 """gunicorn settings: one worker (the slot is one), threads for waiting clients.
 
 Streams can run for minutes, so the worker timeout must not cut them: with
-gthread the heartbeat comes from the main thread, not from the request.
+gthread the heartbeat comes from the worker's main thread, not from the request,
+so ``timeout`` only catches a worker that hangs as a whole. A stop (SIGTERM) lets
+running answers finish for up to ``graceful_timeout`` seconds, then saves the
+session the slot holds. Forwarded headers (X-Forwarded-Proto) are believed only
+from the proxies listed in KVPROXY_FORWARDED_ALLOW_IPS.
 """
 import os
 
@@ -9,9 +13,12 @@ bind = f"{os.environ.get('KVPROXY_HOST', '127.0.0.1')}:{os.environ.get('KVPROXY_
 workers = 1
 worker_class = "gthread"
 threads = int(os.environ.get("KVPROXY_THREADS", "16"))
-timeout = 120
-graceful_timeout = 30
-keepalive = 5
+timeout = int(os.environ.get("KVPROXY_WORKER_TIMEOUT", "120"))
+graceful_timeout = int(os.environ.get("KVPROXY_GRACEFUL_TIMEOUT", "120"))
+# Longer than nginx keeps an idle upstream connection (keepalive_timeout 60s in
+# deploy/nginx/): the proxy, not gunicorn, must be the one to close it.
+keepalive = int(os.environ.get("KVPROXY_KEEPALIVE", "75"))
+forwarded_allow_ips = os.environ.get("KVPROXY_FORWARDED_ALLOW_IPS", "127.0.0.1,::1")
 accesslog = "-"
 errorlog = "-"
 loglevel = os.environ.get("KVPROXY_LOG_LEVEL", "info").lower()

@@ -45,8 +45,9 @@ def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
     app.extensions["kvproxy.relay"] = Relay(settings, client, switch)
 
     from . import admin, metrics, ops
-    from .dialects import anthropic, errors, ollama, openai
-    for blueprint in (ops.blueprint, openai.blueprint, ollama.blueprint, anthropic.blueprint):
+    from .dialects import anthropic, errors, llamacpp, ollama, openai, passthrough
+    for blueprint in (ops.blueprint, openai.blueprint, ollama.blueprint, anthropic.blueprint,
+                      llamacpp.blueprint, passthrough.blueprint):
         app.register_blueprint(blueprint)
     api = Api(app)
     api.register_blueprint(admin.blueprint)

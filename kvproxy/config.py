@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -76,6 +77,14 @@ def _dotted_version(value: str) -> str:
     return value
 
 
+def _node_name(value: str) -> str:
+    """A reply header value: empty means this machine's host name."""
+    value = value.strip() or socket.gethostname()
+    if not re.fullmatch(r"[A-Za-z0-9._:-]{1,253}", value):
+        raise ValueError("expected letters, digits and . _ : - only")
+    return value
+
+
 def _log_level(value: str) -> str:
     return _choice("DEBUG", "INFO", "WARNING", "ERROR")(value.upper())
 
@@ -101,6 +110,9 @@ SETTINGS: tuple[Setting, ...] = (
             "The llama-server slot kvproxy manages (run llama-server with -np 1)."),
     Setting("admin_token", "", str,
             "When set, the /api/sessions endpoints need 'Authorization: Bearer <token>'."),
+    Setting("node_name", "", _node_name,
+            "Name of this machine, sent in the X-KVProxy-Node header of every reply (several "
+            "machines behind one balancer); empty: the host name."),
     Setting("lock_timeout", "300", _positive_float,
             "Seconds a request may wait for the slot before it gets 503 with Retry-After."),
     Setting("connect_timeout", "5", _positive_float,

@@ -133,20 +133,46 @@ class LlamaClient:
         """Open a streaming POST; the caller reads it with ``sse_events`` and closes it."""
         return self._request("POST", path, json=body, stream=True, slot_call=True)
 
+    # -- plain relaying ----------------------------------------------------
+    def forward(self, method: str, path: str, *, query: bytes = b"", data: bytes = b"",
+                content_type: str | None = None, read_timeout: float | None = None,
+                slot_call: bool = False) -> requests.Response:
+        """Send a client's request on unchanged and return llama-server's answer, whatever
+        its status, streamed (the caller closes it); only an unreachable server raises."""
+        url = self.base_url + path + (("?" + query.decode("latin-1")) if query else "")
+        headers = {"Content-Type": content_type} if content_type else {}
+        try:
+            response = self.http.request(method, url, data=data or None, headers=headers,
+                                         timeout=(self.connect_timeout,
+                                                  read_timeout or self.read_timeout),
+                                         stream=True, allow_redirects=False)
+        except requests.RequestException as exc:
+            raise UpstreamUnavailable(
+                f"llama-server at {self.base_url} is not reachable: {exc.__class__.__name__}") from exc
+        if slot_call:
+            self._remember_connection(response)
+        return response
+
 
 def sse_events(response: requests.Response) -> Iterator[tuple[bytes, Any]]:
     """Yield ``(raw_event_bytes, parsed_json)`` for each ``data:`` event as it arrives.
 
     ``[DONE]`` yields ``(raw, None)``; comment lines (``: ping``) are skipped.
+    An ``event:`` line (the Responses API names its events) stays in the raw
+    bytes in front of its data, so a relayed stream keeps it.
     An ``error`` object inside the stream raises ``UpstreamError``.
     """
+    name = b""
     for line in response.iter_lines(chunk_size=None):
         if not line or line.startswith(b":"):
+            continue
+        if line.startswith(b"event:"):
+            name = line + b"\n"
             continue
         if not line.startswith(b"data:"):
             continue
         payload = line[5:].strip()
-        raw = line + b"\n\n"
+        raw, name = name + line + b"\n\n", b""
         if payload == b"[DONE]":
             yield raw, None
             return

@@ -1,4 +1,4 @@
-"""Operator endpoints: /health and /metrics."""
+"""Operator endpoints: /health and /metrics, and the X-KVProxy-Node header on every reply."""
 from __future__ import annotations
 
 from flask import Blueprint, Response, current_app, jsonify
@@ -8,6 +8,13 @@ from .llama import UpstreamError, UpstreamUnavailable
 from .metrics import REGISTRY
 
 blueprint = Blueprint("ops", __name__)
+
+
+@blueprint.after_app_request
+def name_the_node(response: Response) -> Response:
+    """Behind a balancer, operators and tests see which machine answered (and holds the session)."""
+    response.headers["X-KVProxy-Node"] = current_app.config["KVPROXY"].node_name
+    return response
 
 
 @blueprint.get("/health")

@@ -29,6 +29,7 @@ class ChatCall:
     raw: Mapping[str, Any] = field(default_factory=dict)
     path: str = "/v1/chat/completions"
     side: bool = False  # force a side request (never saved), e.g. embeddings
+    session: identity.Session | None = None  # a route that names its session itself (infill)
 
     @property
     def messages(self) -> list[dict]:
@@ -36,6 +37,18 @@ class ChatCall:
             return list(self.body.get("messages") or [])
         prompt = self.body.get("prompt")
         return [{"role": "user", "content": prompt if isinstance(prompt, str) else ""}]
+
+
+def timings_from_usage(result: Any) -> dict:
+    """``cache_n``/``prompt_n``/``predicted_n`` from a usage object, for answers that carry
+    no ``timings`` (llama-server's whole Responses API answer)."""
+    usage = result.get("usage") if isinstance(result, dict) else None
+    if not isinstance(usage, dict) or "input_tokens" not in usage:
+        return {}
+    details = usage.get("input_tokens_details")
+    cached = int((details or {}).get("cached_tokens") or 0) if isinstance(details, dict) else 0
+    return {"cache_n": cached, "prompt_n": max(int(usage.get("input_tokens") or 0) - cached, 0),
+            "predicted_n": int(usage.get("output_tokens") or 0)}
 
 
 class Answer:
@@ -51,7 +64,7 @@ class Answer:
         self.result = result
         self.headers = lease.headers()
         timings = result.get("timings") if isinstance(result, dict) else None
-        self.timings: dict = timings if isinstance(timings, dict) else {}
+        self.timings: dict = timings if isinstance(timings, dict) else timings_from_usage(result)
 
     def close(self) -> None:
         """Record the answer's timings and free the slot; idempotent."""
@@ -94,6 +107,8 @@ class Relay:
     def session_for(self, call: ChatCall, stream: bool) -> identity.Session:
         if call.side:
             return identity.Session(identity.SIDE_SESSION, "side-request", persistent=False)
+        if call.session is not None:
+            return call.session
         return identity.resolve(
             call.headers, call.raw, call.messages, stream=stream,
             header_names=self.settings.session_headers,
@@ -143,7 +158,8 @@ class Relay:
             entry = (models.get("data") or [{}])[0]
             upstream_id = entry.get("id") or props.get("model_alias") or "model"
             name = self.settings.model_name or upstream_id.rsplit("/", 1)[-1].removesuffix(".gguf")
-            facts = {"props": props, "model": entry, "upstream_id": upstream_id, "name": name}
+            facts = {"props": props, "model": entry, "upstream_id": upstream_id, "name": name,
+                     "listing": models}
             self._facts = (time.monotonic(), facts)
             return facts
 

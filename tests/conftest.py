@@ -29,10 +29,11 @@ Flask.test_client_class = ClosingClient
 class Stack:
     """llama-server plus kvproxy (gunicorn, as in production) over one slot folder."""
 
-    def __init__(self, tmp: Path, **proxy_env: str):
+    def __init__(self, tmp: Path, model: str | None = None, **proxy_env: str):
         self.slot_dir = tmp / "slots"
         self.log_dir = tmp
-        self.llama = LlamaServer(str(self.slot_dir), log_path=str(tmp / "llama-server.log"))
+        self.llama = LlamaServer(str(self.slot_dir), model=model,
+                                 log_path=str(tmp / "llama-server.log"))
         self.proxy = ProxyServer(self.llama.url, str(self.slot_dir),
                                  log_path=str(tmp / "proxy.log"),
                                  env={"KVPROXY_LOCK_TIMEOUT": "120", **proxy_env})
@@ -70,6 +71,13 @@ def stack(tmp_path_factory):
     s = Stack(tmp_path_factory.mktemp("stack")).start()
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="session")
+def fim_model(tmp_path_factory) -> str:
+    """The bundled model with fill-in-the-middle tokens named (tests/fim_model.py)."""
+    from tests.fim_model import make_fim_model
+    return make_fim_model(tmp_path_factory.mktemp("fim-model"))
 
 
 def long_text(n_words: int, seed: int) -> str:

@@ -16,7 +16,10 @@ from .common import free_held_slot
 log = logging.getLogger("kvproxy.errors")
 
 ANTHROPIC_PATHS = ("/v1/messages", "/messages")
-OPENAI_PATHS = ("/v1/", "/chat/", "/completions", "/models", "/embeddings")
+# llama-server's own routes answer errors in OpenAI's shape, as llama-server does.
+OPENAI_PATHS = ("/v1/", "/chat/", "/completion", "/models", "/embedding", "/responses",
+                "/infill", "/rerank", "/tokenize", "/detokenize", "/apply-template", "/props",
+                "/slots", "/lora-adapters", "/audio/")
 ADMIN_PATHS = ("/api/sessions", "/api/openapi")
 
 

@@ -48,9 +48,10 @@ def _serve(path: str, required: str, kinds: tuple[type, ...]) -> Response:
         body = json_body()
         if required not in body:
             raise BadRequest(f"'{required}' is required")
-        if not isinstance(body[required], kinds) or not body[required]:
-            raise BadRequest(f"'{required}' must be a non-empty "
-                             + " or ".join("array" if k is list else "string" for k in kinds))
+        # Empty is llama-server's to judge: it answers an empty 'messages' list.
+        if not isinstance(body[required], kinds):
+            raise BadRequest(f"'{required}' must be "
+                             + " or ".join("an array" if k is list else "a string" for k in kinds))
     except HANDLED as exc:
         return render_error(*failure(exc))
     call = ChatCall(body=body, headers=request.headers, raw=body, path=path)
@@ -67,9 +68,8 @@ def chat_completions() -> Response:
 
 
 @blueprint.post("/v1/completions")
-@blueprint.post("/completions")
 def completions() -> Response:
-    """OpenAI legacy text completions."""
+    """OpenAI legacy text completions (llama-server's /completions is its native route)."""
     return _serve("/v1/completions", "prompt", (str, list))
 
 
@@ -82,8 +82,13 @@ def models() -> Response:
     except HANDLED as exc:
         return render_error(*failure(exc))
     created = int(facts["model"].get("created") or time.time())
-    entry = {"id": facts["name"], "object": "model", "created": created, "owned_by": "llamacpp",
-             "type": "model", "display_name": facts["name"],
+    # llama-server's own fields first (Maki reads meta), then the served name
+    entry = {**facts["model"], "id": facts["name"], "object": "model", "created": created,
+             "owned_by": facts["model"].get("owned_by") or "llamacpp", "type": "model",
+             "display_name": facts["name"],
              "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))}
-    return jsonify({"object": "list", "data": [entry], "has_more": False,
-                    "first_id": entry["id"], "last_id": entry["id"]})
+    listing = facts.get("listing") if isinstance(facts.get("listing"), dict) else {}
+    named = [{**item, "name": facts["name"], "model": facts["name"]}
+             for item in listing.get("models") or [] if isinstance(item, dict)]
+    return jsonify({**({"models": named} if named else {}), "object": "list", "data": [entry],
+                    "has_more": False, "first_id": entry["id"], "last_id": entry["id"]})

@@ -1,0 +1,125 @@
+"""llama-server routes kvproxy relays as they are: every one in ``ROUTES``.
+
+``PLAIN`` routes never touch the slot (tokenizer, template, token counts,
+server properties): the request goes on unchanged, without waiting for the
+slot, and llama-server's answer comes back unchanged, its errors included.
+``SIDE`` routes run a task on the slot (embeddings, rerank): they wait for the
+slot like a side request, which saves the conversation it held first and is
+never saved itself. Only kvproxy's own failures (llama-server unreachable, slot
+busy) answer in OpenAI's error shape.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import requests
+from flask import Blueprint, Response, request
+
+from ..identity import SIDE_SESSION, Session
+from .common import HANDLED, failure, relay
+from .openai import render_error
+
+blueprint = Blueprint("passthrough", __name__)
+
+PLAIN = "plain"
+SIDE = "side"
+REFUSED = "refused"
+# llama-server answers these quickly; a stuck one must not hold a client for long.
+PLAIN_READ_TIMEOUT = 60.0
+# Headers of llama-server's answer that describe the body, and so go back with it.
+KEPT_HEADERS = ("Content-Type", "Cache-Control")
+
+
+@dataclass(frozen=True)
+class Route:
+    paths: tuple[str, ...]
+    methods: tuple[str, ...]
+    kind: str
+    why: str
+
+
+ROUTES = (
+    Route(("/props",), ("GET", "POST"), PLAIN,
+          "model and server properties (Maki discovers the model here)"),
+    Route(("/tokenize", "/detokenize"), ("POST",), PLAIN, "the model's tokenizer"),
+    Route(("/apply-template",), ("POST",), PLAIN, "the chat template, without generating"),
+    Route(("/chat/completions/input_tokens", "/v1/chat/completions/input_tokens",
+           "/responses/input_tokens", "/v1/responses/input_tokens"), ("POST",), PLAIN,
+          "token counts of a chat or Responses request"),
+    Route(("/v1/chat/completions/control",), ("POST",), PLAIN,
+          "steers an answer that is running, so it must not wait for the slot"),
+    Route(("/slots",), ("GET",), PLAIN, "slot state, read only (slot actions are kvproxy's)"),
+    Route(("/lora-adapters",), ("GET", "POST"), PLAIN, "LoRA adapter scales"),
+    Route(("/v1/health",), ("GET",), PLAIN, "llama-server's own health"),
+    Route(("/v1/stream",), ("GET", "DELETE"), PLAIN, "resumable streams of the web UI"),
+    Route(("/v1/streams/lookup",), ("POST",), PLAIN, "resumable streams of the web UI"),
+    Route(("/embedding", "/embeddings", "/v1/embeddings"), ("POST",), SIDE,
+          "embeddings (llama-server needs --embeddings)"),
+    Route(("/rerank", "/reranking", "/v1/rerank", "/v1/reranking"), ("POST",), SIDE,
+          "reranking (llama-server needs --reranking and a reranker model)"),
+    Route(("/audio/transcriptions", "/v1/audio/transcriptions"), ("POST",), SIDE,
+          "speech to text (needs an audio model)"),
+    Route(("/v1/systemone",), ("POST",), SIDE, "decision models"),
+    Route(("/slots/<id_slot>",), ("POST",), REFUSED,
+          "slot save, restore and erase belong to kvproxy: use /api/sessions"),
+)
+
+
+def _forward(route: Route) -> Response:
+    if route.kind == REFUSED:
+        return render_error(403, f"{request.method} {request.path}: {route.why}")
+    client = relay().client
+    side = route.kind == SIDE
+    lease = None
+    try:
+        if side:
+            lease = relay().switch.acquire(Session(SIDE_SESSION, "side-request", persistent=False))
+        upstream = client.forward(request.method, request.path, query=request.query_string,
+                                  data=request.get_data(),
+                                  content_type=request.headers.get("Content-Type"),
+                                  read_timeout=None if side else PLAIN_READ_TIMEOUT,
+                                  slot_call=side)
+    except HANDLED as exc:
+        if lease is not None:
+            relay().switch.release(lease)
+        return render_error(*failure(exc))
+    headers = {name: upstream.headers[name] for name in KEPT_HEADERS if name in upstream.headers}
+    if not side:
+        response = Response(_chunks(upstream), status=upstream.status_code, headers=headers,
+                            direct_passthrough=True)
+        response.call_on_close(upstream.close)
+        return response
+    try:  # the slot is freed before the answer goes out: a side task holds nothing after it
+        content = upstream.content
+    except requests.RequestException as exc:  # llama-server went away mid-answer
+        return render_error(502, f"llama-server stopped answering {request.path}: "
+                                 f"{exc.__class__.__name__}")
+    finally:
+        upstream.close()
+        relay().switch.release(lease)
+    return Response(content, status=upstream.status_code,
+                    headers={**headers, **lease.headers()})
+
+
+def _chunks(upstream: requests.Response) -> Iterator[bytes]:
+    """llama-server's answer as it comes; a broken read ends it (the status is already sent)."""
+    try:
+        yield from upstream.iter_content(chunk_size=None)
+    except requests.RequestException:
+        return
+    finally:
+        upstream.close()
+
+
+def _register() -> None:
+    for route in ROUTES:
+        def view(route: Route = route, **_path_args: str) -> Response:
+            return _forward(route)
+        for path in route.paths:
+            endpoint = path.strip("/").replace("/", "_").replace("<", "").replace(">", "")
+            blueprint.add_url_rule(path, endpoint=endpoint,
+                                   view_func=view, methods=list(route.methods))
+
+
+_register()

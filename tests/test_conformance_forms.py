@@ -1,0 +1,81 @@
+"""The comparison the conformance suite relies on: it must see the differences clients see."""
+import json
+
+from tests.conformance import (Entry, bounded, differences, form_of, key_paths, load_corpus,
+                               stream_events)
+
+
+def sse(*events):
+    out = ""
+    for name, data in events:
+        payload = data if isinstance(data, str) else json.dumps(data)
+        out += (f"event: {name}\n" if name else "") + f"data: {payload}\n\n"
+    return out
+
+
+def test_key_paths_ignore_values_but_not_structure():
+    assert key_paths({"a": 1, "b": [{"c": "x"}, {"c": "y"}]}) == \
+        key_paths({"a": 2, "b": [{"c": "z"}]})
+    assert key_paths({"a": None}) != key_paths({"a": {"b": 1}})
+    assert key_paths({"a": {}}) != key_paths({"a": {"b": 1}})
+
+
+def test_stream_events_collapse_repeats_and_keep_order():
+    text = sse(("message_start", {}), ("content_block_delta", {}), ("content_block_delta", {}),
+               ("message_stop", {}))
+    assert stream_events(text) == ["message_start", "content_block_delta", "message_stop"]
+    chunks = sse((None, {"choices": [{"delta": {"role": "assistant"}}]}),
+                 (None, {"choices": [{"delta": {"content": "a"}}]}),
+                 (None, {"choices": [{"delta": {"content": "b"}}]}),
+                 (None, {"choices": [{"delta": {}, "finish_reason": "stop"}]}), (None, "[DONE]"))
+    assert len(stream_events(chunks)) == 4 and stream_events(chunks)[-1] == "[DONE]"
+    assert stream_events(sse((None, {"type": "response.created"}))) == ["response.created"]
+
+
+def test_differences_see_what_a_client_sees():
+    ok = form_of(200, "application/json", '{"a": 1}')
+    assert differences(ok, form_of(200, "application/json", '{"a": 5}')) == []
+    assert differences(ok, form_of(400, "application/json", '{"a": 1}'))
+    assert differences(ok, form_of(200, "application/json", '{"b": 1}'))
+    assert differences(ok, form_of(200, "application/json", '{"a": 1, "b": 1}'))
+    assert differences(ok, form_of(200, "text/event-stream", sse((None, {"a": 1}))))
+    error = form_of(400, "application/json", '{"error": {"message": "m", "code": 400}}')
+    richer = form_of(400, "application/json",
+                     '{"error": {"message": "m", "code": 400, "param": null}}')
+    assert differences(error, richer) == [] and differences(richer, error)
+    one = form_of(200, "text/event-stream", sse(("a", {}), ("b", {})))
+    assert differences(one, form_of(200, "text/event-stream", sse(("b", {}), ("a", {}))))
+
+
+def test_generation_is_capped_without_changing_anything_else():
+    assert bounded({"messages": [], "max_tokens": 32000, "x": 1}) == \
+        {"messages": [], "max_tokens": 8, "x": 1}
+    assert bounded({"prompt": "p"})["max_tokens"] == 8
+    assert bounded({"content": "tokenize me"}) == {"content": "tokenize me"}
+    assert bounded({"messages": [], "options": {"num_predict": 99}})["options"]["num_predict"] == 8
+
+
+def test_corpus_loads_hand_made_and_recorded_requests(tmp_path):
+    (tmp_path / "conformance").mkdir()
+    (tmp_path / "recorded" / "sdk").mkdir(parents=True)
+    (tmp_path / "conformance" / "01-a.json").write_text(json.dumps(
+        {"method": "GET", "path": "/props", "headers": {}, "body": None}))
+    (tmp_path / "recorded" / "sdk" / "01-b.json").write_text(json.dumps(
+        {"method": "POST", "path": "/api/chat", "headers": {"Host": "x", "X-Session-Id": "s"},
+         "body": {"messages": []}}))
+    corpus = load_corpus(tmp_path)
+    assert [e.name for e in corpus] == ["conformance/01-a.json", "recorded/sdk/01-b.json"]
+    assert corpus[0].direct and not corpus[1].direct  # Ollama: kvproxy only
+    assert corpus[1].request_kwargs()["headers"] == {"X-Session-Id": "s",
+                                                     "Content-Type": "application/json"}
+    assert not Entry("x", "GET", "/v1/x", expect={"direct": False}).direct
+
+
+def test_allowed_additions_are_named_in_the_entry():
+    direct = form_of(200, "application/json", '{"a": 1}')
+    richer = form_of(200, "application/json", '{"a": 1, "b": 2}')
+    assert differences(direct, richer, {"extra": "b is kvproxy's"}) == []
+    assert differences(richer, direct, {"extra": "b is kvproxy's"})  # never fewer
+    pinged = form_of(200, "text/event-stream", sse(("a", {}), ("ping", {}), ("b", {})))
+    plain = form_of(200, "text/event-stream", sse(("a", {}), ("b", {})))
+    assert differences(plain, pinged) and differences(plain, pinged, {"extra_events": ["ping"]}) == []
