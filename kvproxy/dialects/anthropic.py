@@ -41,11 +41,20 @@ def messages() -> Response:
         body, llama_body = _read(count_only=False)
     except HANDLED as exc:
         return render_error(*failure(exc))
-    model, stops = body["model"], translate.stop_sequences(body)
+    stream = body.get("stream") is True
+    try:
+        model = body["model"] if isinstance(body.get("model"), str) else relay().model_facts()["name"]
+    except HANDLED as exc:
+        return render_error(*failure(exc))
+    stops = translate.stop_sequences(body)
+    if stream:
+        # Every chunk then carries llama-server's timings, so message_start (sent with the
+        # first chunk) reports the real prompt and cache figures instead of zeros.
+        llama_body["timings_per_token"] = True
     call = ChatCall(body=llama_body, headers=request.headers, raw=body,
                     path="/v1/chat/completions")
     return serve_chat(
-        call, stream=body.get("stream") is True,
+        call, stream=stream,
         render_full=lambda result: translate.to_message(result, model, stops),
         render_stream=lambda events: translate.stream_events(events, model, stops),
         render_error=render_error, render_stream_error=translate.stream_error,

@@ -23,7 +23,9 @@ _BILLING = re.compile(r"^(x-anthropic-billing-header:[^\n]*?cch=)[^;\s]*;")
 
 # Fields a token count needs; sampling fields do not change the prompt.
 _PROMPT_FIELDS = ("messages", "tools", "tool_choice", "parallel_tool_calls",
-                  "chat_template_kwargs")
+                  "chat_template_kwargs", "reasoning_effort")
+# What llama-server's own /v1/messages uses when a request names no max_tokens.
+DEFAULT_MAX_TOKENS = 4096
 
 
 class InvalidRequest(ValueError):
@@ -43,11 +45,10 @@ def to_llama(body: dict, *, count_only: bool = False) -> dict:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("messages: a non-empty list of messages is required")
-    if not count_only and not isinstance(body.get("model"), str):
-        raise InvalidRequest("model: field required")
     out: dict[str, Any] = {"messages": _system(body.get("system")) + _messages(messages)}
     out.update(_tools(body.get("tools"), body.get("tool_choice")))
     out.update(_thinking(body.get("thinking")))
+    out.update(_effort(body.get("output_config")))
     if count_only:
         return {key: out[key] for key in _PROMPT_FIELDS if key in out}
     out.update(_sampling(body))
@@ -55,18 +56,22 @@ def to_llama(body: dict, *, count_only: bool = False) -> dict:
 
 
 def _system(system: Any) -> list[dict]:
-    """The system prompt as one leading system message (string or text blocks)."""
-    if not system:
-        return []
-    if isinstance(system, str):
-        parts = [system]
-    elif isinstance(system, list):
-        parts = [b["text"] for b in system if isinstance(b, dict) and b.get("type") == "text"
-                 and isinstance(b.get("text"), str)]
-    else:
-        raise InvalidRequest("system: must be a string or a list of text blocks")
-    text = "\n".join(_BILLING.sub(r"\g<1>00000;", part) for part in parts)
+    """The system prompt as one leading system message (string or text blocks).
+
+    Any other shape is skipped, as llama-server's own /v1/messages does.
+    """
+    text = "\n".join(_BILLING.sub(r"\g<1>00000;", part) for part in _texts(system))
     return [{"role": "system", "content": text}] if text else []
+
+
+def _texts(content: Any) -> list[str]:
+    """The texts of a string or of the text blocks in a list; nothing for other shapes."""
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list):
+        return [b["text"] for b in content if isinstance(b, dict) and b.get("type") == "text"
+                and isinstance(b.get("text"), str)]
+    return []
 
 
 def _messages(messages: list) -> list[dict]:
@@ -75,8 +80,15 @@ def _messages(messages: list) -> list[dict]:
         if not isinstance(message, dict):
             raise InvalidRequest(f"messages.{number}: must be an object")
         role, content = message.get("role"), message.get("content")
+        if role in ("system", "developer"):
+            # Claude Code 2.1 sends its environment as a system message after the first
+            # user turn; it stays where it stands, as llama-server's own route keeps it.
+            if text := "\n".join(_texts(content)):
+                out.append({"role": "system", "content": text})
+            continue
         if role not in ("user", "assistant"):
-            raise InvalidRequest(f"messages.{number}.role: must be 'user' or 'assistant'")
+            raise InvalidRequest(
+                f"messages.{number}.role: must be 'user', 'assistant' or 'system'")
         if isinstance(content, str):
             out.append({"role": role, "content": content})
         elif isinstance(content, list):
@@ -186,11 +198,15 @@ def _tools(tools: Any, choice: Any) -> dict:
 
 
 def _thinking(thinking: Any) -> dict:
-    """Extended thinking as the chat template's switch plus llama-server's reasoning budget."""
+    """Extended thinking as the chat template's switch plus llama-server's reasoning budget.
+
+    ``adaptive`` (Claude Code's default: the model decides) keeps the server's own
+    reasoning setting, as llama-server's /v1/messages does; ``display`` is not used.
+    """
     kind = thinking.get("type") if isinstance(thinking, dict) else None
     if kind == "disabled":
         return {"chat_template_kwargs": {"enable_thinking": False}}
-    if kind not in ("enabled", "adaptive"):
+    if kind != "enabled":
         return {}
     out: dict[str, Any] = {"chat_template_kwargs": {"enable_thinking": True}}
     budget = thinking.get("budget_tokens")
@@ -199,10 +215,21 @@ def _thinking(thinking: Any) -> dict:
     return out
 
 
+def _effort(config: Any) -> dict:
+    """``output_config.effort`` as llama-server's ``reasoning_effort`` (templates such as
+    gpt-oss read it; others ignore it). Efforts beyond ``high`` ask for ``high``."""
+    effort = config.get("effort") if isinstance(config, dict) else None
+    mapped = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high",
+              "max": "high"}.get(effort) if isinstance(effort, str) else None
+    return {"reasoning_effort": mapped} if mapped else {}
+
+
 def _sampling(body: dict) -> dict:
+    # The Messages API makes max_tokens required; llama-server's own route defaults it
+    # to 4096, and kvproxy answers whatever llama-server answers.
     max_tokens = body.get("max_tokens")
     if max_tokens is None:
-        raise InvalidRequest("max_tokens: field required")
+        max_tokens = DEFAULT_MAX_TOKENS
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise InvalidRequest("max_tokens: must be an integer of at least 1")
     out: dict[str, Any] = {"max_tokens": max_tokens}
@@ -322,27 +349,40 @@ class StreamTranslator:
 
     One block is open at a time; a change of kind (thinking, text, a new tool
     call) closes it and opens the next, so indices stay 0-based and contiguous.
-    Usage is only known at the end: message_start carries zeros and
-    message_delta the real figures, which the SDKs merge into the message.
+    message_start goes out with the first upstream chunk: llama-server sends
+    nothing before its first token, and that chunk's ``timings`` (requested with
+    ``timings_per_token``) hold the prompt and cache figures. message_delta
+    repeats them with the output count; the SDKs merge both into the message.
     """
 
     def __init__(self, model: str, stops: Iterable[str] = ()):
         self.model, self.stops, self.index = model, list(stops), -1
         self.open: Any = None  # "text", "thinking", ("tool", upstream index) or None
-        self.args_sent = self.tool_calls = False
+        self.args_sent = self.tool_calls = self.started = False
         self.finish: str | None = None
         self.verbose = self.timings = self.openai_usage = None
 
     def start(self) -> Iterator[bytes]:
+        """message_start (once) with the prompt figures known so far."""
+        if self.started:
+            return
+        self.started = True
+        figures = {**usage(self.timings, self.openai_usage), "output_tokens": 0}
         message = {"id": new_id("msg_"), "type": "message", "role": "assistant",
                    "model": self.model, "content": [], "stop_reason": None,
-                   "stop_sequence": None, "usage": usage({"cache_n": 0, "prompt_n": 0})}
+                   "stop_sequence": None, "usage": figures}
         yield sse("message_start", {"type": "message_start", "message": message})
         yield sse("ping", {"type": "ping"})
 
     def feed(self, chunk: dict) -> Iterator[bytes]:
-        """Events for one upstream chunk."""
+        """Events for one upstream chunk.
+
+        llama-server sends the first token as two events, a bare role delta and then
+        the token with the timings: message_start waits for the second.
+        """
         self.timings = chunk.get("timings", self.timings)
+        if self.timings is not None or _has_output(chunk):
+            yield from self.start()
         self.verbose = chunk.get("__verbose", self.verbose)
         self.openai_usage = chunk.get("usage", self.openai_usage)
         for choice in chunk.get("choices") or []:
@@ -357,6 +397,7 @@ class StreamTranslator:
 
     def end(self) -> Iterator[bytes]:
         """Close the last block and report why the answer stopped and what it cost."""
+        yield from self.start()
         if self.finish is None:
             yield from self._close()
             yield stream_error(502, "llama-server ended the stream before the answer finished")
@@ -410,11 +451,20 @@ class StreamTranslator:
             yield self._delta({"type": "input_json_delta", "partial_json": function["arguments"]})
 
 
+def _has_output(chunk: dict) -> bool:
+    """Whether a chunk carries text, reasoning, a tool call or the finish."""
+    for choice in chunk.get("choices") or []:
+        delta = choice.get("delta") or {}
+        if (delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")
+                or choice.get("finish_reason")):
+            return True
+    return False
+
+
 def stream_events(events: Iterable[tuple[bytes, dict | None]], model: str,
                   stops: Iterable[str] = ()) -> Iterator[bytes]:
     """Anthropic SSE bytes for llama-server's OpenAI stream (``None`` is ``[DONE]``)."""
     translator = StreamTranslator(model, stops)
-    yield from translator.start()
     for _raw, chunk in events:
         if chunk is None:
             break

@@ -1,0 +1,81 @@
+"""Every API's usage fields carry llama-server's prompt, cached and generated token counts.
+
+Driven by the real ``anthropic``, ``openai`` and ``ollama`` clients against kvproxy on the
+real llama-server: a first turn, then a second one that reads the first from the slot.
+"""
+from __future__ import annotations
+
+import anthropic
+import ollama
+import openai
+import pytest
+
+from conftest import long_text
+
+pytestmark = pytest.mark.real
+
+
+def test_anthropic_message_start_reports_the_prompt_and_cache(stack):
+    client = anthropic.Anthropic(base_url=stack.url, api_key="x", max_retries=0, timeout=120)
+    history = [{"role": "user", "content": "Name a colour."}]
+    kwargs = dict(model="claude", max_tokens=8, system=long_text(300, 7),
+                  extra_body={"temperature": 0},
+                  extra_headers={"x-claude-code-session-id": "usage-anthropic"})
+    starts, finals = [], []
+    for turn in range(2):
+        with client.messages.stream(messages=history, **kwargs) as stream:
+            for event in stream:
+                if event.type == "message_start":
+                    starts.append(event.message.usage)
+            finals.append(stream.get_final_message())
+        history += [{"role": "assistant", "content": finals[-1].content[0].text or "ok"},
+                    {"role": "user", "content": "Another one."}]
+    for start, final in zip(starts, finals):
+        assert start.input_tokens == final.usage.input_tokens > 0
+        assert start.cache_read_input_tokens == final.usage.cache_read_input_tokens
+        assert 0 < final.usage.output_tokens <= 8
+    first_prompt = starts[0].input_tokens + starts[0].cache_read_input_tokens
+    assert first_prompt > 300
+    # the second turn reads the whole first prompt from the slot and computes only the rest
+    assert starts[1].cache_read_input_tokens >= first_prompt - 2
+    assert starts[1].input_tokens < 40
+    print(f"\nanthropic message_start: turn 1 {starts[0]}, turn 2 {starts[1]}")
+
+
+def test_openai_usage_has_cached_tokens(stack):
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    history = [{"role": "system", "content": long_text(300, 8)},
+               {"role": "user", "content": "Name a colour."}]
+    first = client.chat.completions.create(model="m", messages=history, max_tokens=8,
+                                           temperature=0)
+    history += [{"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "Another one."}]
+    stream = client.chat.completions.create(model="m", messages=history, max_tokens=8,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    usage = [chunk.usage for chunk in stream if chunk.usage][-1]
+    assert first.usage.prompt_tokens > 300 and 0 < first.usage.completion_tokens <= 8
+    assert usage.prompt_tokens > first.usage.prompt_tokens
+    assert usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 2
+    assert 0 < usage.completion_tokens <= 8
+    print(f"\nopenai: turn 1 {first.usage}, turn 2 {usage}")
+
+
+def test_ollama_counts_evaluated_and_generated_tokens(stack):
+    client = ollama.Client(host=stack.url, timeout=120)
+    name = client.list().models[0].model
+    history = [{"role": "system", "content": long_text(300, 9)},
+               {"role": "user", "content": "Name a colour."}]
+    first = client.chat(model=name, messages=history, options={"num_predict": 8,
+                                                              "temperature": 0})
+    history += [{"role": "assistant", "content": first.message.content},
+                {"role": "user", "content": "Another one."}]
+    parts = list(client.chat(model=name, messages=history, stream=True,
+                             options={"num_predict": 8, "temperature": 0}))
+    last = parts[-1]
+    assert first.prompt_eval_count > 300 and 0 < first.eval_count <= 8
+    # prompt_eval_count is what llama-server computed: the cached prefix is not counted
+    assert 0 < last.prompt_eval_count < 40 and 0 < last.eval_count <= 8
+    print(f"\nollama: turn 1 prompt_eval_count={first.prompt_eval_count} "
+          f"eval_count={first.eval_count}; turn 2 prompt_eval_count={last.prompt_eval_count} "
+          f"eval_count={last.eval_count}")
