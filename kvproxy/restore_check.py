@@ -98,6 +98,10 @@ class RestoreCheck:
     def _read(self) -> dict:
         return read_json(self.path) or {}
 
+    def entries(self) -> dict:
+        """The check file as it is: one entry per llama-server (fingerprint key)."""
+        return self._read()
+
     def restoring_off(self, key: str) -> bool:
         return self.status(key)["restoring_off"]
 

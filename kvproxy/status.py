@@ -10,6 +10,7 @@ switch uses to notice llama-server restarts).
 from __future__ import annotations
 
 import shutil
+from datetime import datetime, timezone
 from typing import Any
 
 import requests
@@ -20,6 +21,7 @@ from flask_smorest import Blueprint
 from . import __version__
 from .admin import require_token
 from .metrics import slot_folder_usage
+from .restore_check import RestoreCheck
 from .store import now_iso
 from .switch import fingerprint, fingerprint_key
 
@@ -81,20 +83,24 @@ def disk_view(root, bound_bytes: int) -> dict:
             "free_bytes": usage.free, "total_bytes": usage.total}
 
 
-def restore_check_view(state: dict, limit: int, running_key: str | None) -> dict:
+def restore_check_view(entries: dict, limit: int, running_key: str | None,
+                       now: datetime | None = None) -> dict:
     """Whether restoring is switched off for the running model, and how close it came.
 
-    Same fields as the restore check in ``GET /api/sessions/current``.
+    ``entries`` is the restore check's file (``RestoreCheck.entries()``). Same fields as
+    the restore check in ``GET /api/sessions/current``.
     """
-    misses = state.get("restore_misses") or {}
-    disabled = state.get("restore_disabled") or {}
-    view = {"limit": limit, "models_off": len(disabled), "reset": RESTORE_CHECK_RESET,
-            "off_until": None}
+    now = now or datetime.now(timezone.utc)
+    shown = {key: RestoreCheck._entry_status(entry, now) for key, entry in entries.items()
+             if isinstance(entry, dict)}
+    view = {"limit": limit, "models_off": sum(1 for st in shown.values() if st["restoring_off"]),
+            "reset": RESTORE_CHECK_RESET}
     if running_key is None:  # llama-server did not say which model runs
-        view.update(restoring_off=None, misses_in_a_row=None, off_since=None)
+        view.update(restoring_off=None, misses_in_a_row=None, off_since=None, off_until=None)
     else:
-        view.update(restoring_off=running_key in disabled, off_since=disabled.get(running_key),
-                    misses_in_a_row=misses.get(running_key, 0))
+        mine = shown.get(running_key) or RestoreCheck._entry_status({}, now)
+        view.update(restoring_off=mine["restoring_off"], off_since=mine["off_since"],
+                    off_until=mine["off_until"], misses_in_a_row=mine["misses_in_a_row"])
     return view
 
 
@@ -150,7 +156,8 @@ def status_data(include_sessions: bool = True) -> dict:
         "timeline": switch.activity.timeline(),
         "swaps": switch.activity.recent_swaps(),
         "disk": disk_view(switch.store.root, switch.max_disk_bytes),
-        "restore_check": restore_check_view(state, settings.restore_miss_limit, running_key),
+        "restore_check": restore_check_view(switch.restore_check.entries(),
+                                            settings.restore_miss_limit, running_key),
         "sessions": sessions if include_sessions else None,
         "bases": bases if include_sessions else None,
     }

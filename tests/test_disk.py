@@ -32,8 +32,21 @@ def make_switch(tmp_path, **kwargs):
     return SlotSwitch(LlamaClient(UPSTREAM), SessionStore(tmp_path), **kwargs)
 
 
-def turn(switch, session, fake, tokens=12):
-    lease = switch.acquire(session)
+class SystemPrompt:
+    """The prompt view the relay hands the switch: here only its system prompt's tokens."""
+
+    def __init__(self, system):
+        self._system = list(system)
+
+    def tokens(self):
+        return self._system + [900, 901]
+
+    def system_tokens(self, min_tokens=0):
+        return self._system
+
+
+def turn(switch, session, fake, tokens=12, prompt=None):
+    lease = switch.acquire(session, prompt=prompt)
     fake.tokens = tokens
     switch.release(lease, {"cache_n": lease.restored_tokens, "prompt_n": tokens - lease.restored_tokens,
                            "predicted_n": 0})
@@ -76,16 +89,21 @@ def test_a_full_disk_during_a_swap_is_503_in_the_clients_format(tmp_path, fake, 
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_replace(src, dst)
 
-    monkeypatch.setattr(disk.os, "replace", full_disk)
     for path, body, shape in (("/v1/chat/completions", OPENAI_BODY, "openai"),
                               ("/v1/messages", {**OPENAI_BODY, "model": "m", "max_tokens": 5}, "anthropic"),
                               ("/api/chat", {**OPENAI_BODY, "model": "tiny", "stream": False}, "ollama")):
+        # A failed swap leaves the slot untrusted (never saved) until the next good swap:
+        # a good swap back to "a" first, so the swap to "b" has "a" to save again.
+        monkeypatch.setattr(disk.os, "replace", real_replace)
+        assert client.post("/v1/chat/completions", json=OPENAI_BODY,
+                           headers={"X-Session-Id": "a"}).status_code == 200
+        monkeypatch.setattr(disk.os, "replace", full_disk)
         reply = client.post(path, json=body, headers={"X-Session-Id": "b"})
         assert reply.status_code == 503 and int(reply.headers["Retry-After"]) >= 1
         message = {"openai": lambda j: j["error"]["message"],
                    "anthropic": lambda j: j["error"]["message"] if j["type"] == "error" else None,
                    "ollama": lambda j: j["error"]}[shape](reply.json)
-        assert "No space left on device" in message
+        assert "No space left on device" in message and "slot folder" in message, message
     assert state_names(tmp_path) == "a"
     assert not list(tmp_path.glob("*.saving.bin"))
 
@@ -267,11 +285,12 @@ def test_orphans_count_toward_the_bound_and_go_first(tmp_path, fake):
 
 
 def test_eviction_spares_the_incoming_session_and_its_base(tmp_path, fake):
-    switch = make_switch(tmp_path, base_snapshots=True, max_disk_bytes=48)
+    switch = make_switch(tmp_path, base_snapshots=True, max_disk_bytes=96)
     old = Session("old", "test", system_hash="cafe")
-    turn(switch, old, fake)                              # base.cafe saved (16)
+    turn(switch, old, fake, tokens=40, prompt=SystemPrompt(range(32)))  # base.cafe saved (36)
+    assert (tmp_path / f"{base_stem('cafe')}.bin").stat().st_size == 36
     for name in ("s1", "s2"):
-        turn(switch, Session(name, "test"), fake)        # old (16), s1 (16) saved
+        turn(switch, Session(name, "test"), fake)        # old (44), s1 (16) saved: 96
     # Back to old: saving s2 needs room; old's file and base.cafe are the least recently used.
     lease = turn(switch, old, fake)
     assert lease.cache == RESTORED

@@ -200,8 +200,10 @@ def test_a_client_naming_a_conversation_gets_its_own_file(app_and_fake):
     assert probe.headers["X-KVProxy-Session"] == conv
     assert probe.headers["X-KVProxy-Cache"] == "miss", "the probe must not get the conversation"
     conv_file = f"{identity.file_stem(conv)}.bin"
+    conv_save = ("save", f"{identity.file_stem(conv)}.saving.bin")  # checked, then renamed
     assert ("restore", conv_file) not in fake.actions
-    assert [a for a in fake.actions if a == ("save", conv_file)] == [("save", conv_file)]
+    assert [a for a in fake.actions if a == conv_save] == [conv_save]
+    assert (fake.slot_dir / conv_file).is_file()
     back = client.post("/v1/chat/completions", json=mine)
     assert back.headers["X-KVProxy-Cache"] == "restored"
     assert fake.actions[-1] == ("restore", conv_file)

@@ -36,7 +36,8 @@ def test_claude_code_session_keeps_its_key_on_every_turn(strip_id):
     if strip_id:
         assert keys[0].startswith("conv-")
     else:
-        assert keys[0].startswith(RECORDED[0]["headers"]["x-claude-code-session-id"] + "#")
+        client_id = RECORDED[0]["headers"]["x-claude-code-session-id"]
+        assert keys[0].startswith(identity.CLIENT_NAMESPACE + client_id + "#")
 
 
 def test_a_system_message_added_mid_conversation_keeps_the_key():

@@ -9,7 +9,7 @@ import responses
 
 from kvproxy import create_app
 from kvproxy.activity import RecentActivity
-from kvproxy.identity import Session
+from kvproxy.identity import Session, client_key
 from kvproxy.status import restore_check_view, session_rows
 from kvproxy.store import SIDECAR_FORMAT
 from kvproxy.switch import fingerprint, fingerprint_key
@@ -54,7 +54,7 @@ def test_status_shows_slot_sessions_outcomes_swaps_disk_and_llama(fake_app, tmp_
 
     assert data["slots"] == [{**data["slots"][0], "id": 0, "session_id": "alice",
                               "persistent": True, "busy": False}]
-    assert data["slots"][0]["file"] == f"{Session('alice', 't').stem}.bin"
+    assert data["slots"][0]["file"] == f"{Session('alice', 't', key=client_key('alice')).stem}.bin"
     assert data["slots"][0]["tokens"] == 37 and data["slots"][0]["n_ctx"] == 8192
 
     rows = {r["id"]: r for r in data["sessions"]}
@@ -100,9 +100,17 @@ def test_busy_while_a_request_holds_the_slot(fake_app):
 
 def test_base_snapshots_are_listed_apart(fake_app):
     app, fake = fake_app(base_snapshots=True)
+    # A base snapshot is the system prompt alone, templated and tokenized by llama-server
+    # (one token per character here); only a system prompt of 32 tokens or more gets one.
+    system = "Answer briefly and in plain words, please. " * 2
+    fake.mock.add_callback(responses.POST, f"{UPSTREAM}/apply-template", callback=lambda r: (
+        200, {}, json.dumps({"prompt": "".join(m["content"] for m in json.loads(r.body)["messages"])})))
+    fake.mock.add_callback(responses.POST, f"{UPSTREAM}/tokenize", callback=lambda r: (
+        200, {}, json.dumps({"tokens": [ord(c) for c in json.loads(r.body)["content"]]})))
     client = app.test_client()
     client.post("/v1/chat/completions", json={"session_id": "dave", "messages": [
-        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]})
+        {"role": "system", "content": system}, {"role": "user", "content": "hi"}]})
+    assert fake.prefills == [[ord(c) for c in system]]
     data = client.get("/api/status").get_json()
     assert [r["id"] for r in data["sessions"]] == ["dave"]
     assert len(data["bases"]) == 1 and data["bases"][0]["system_hash"]
@@ -177,22 +185,38 @@ def test_llama_server_loading_is_shown(fake_app):
 
 
 def test_restore_check_state_for_the_running_model(fake_app):
+    """The page shows the switch's restore check (its own file), for the running model."""
     app, _ = fake_app(restore_miss_limit=2)
     key = fingerprint_key(fingerprint(PROPS, MODELS))
-    store = app.extensions["kvproxy.switch"].store
-    store.write_state({"restore_misses": {key: 1}})
-    check = app.test_client().get("/api/status").get_json()["restore_check"]
-    assert check["restoring_off"] is False and check["misses_in_a_row"] == 1 and check["limit"] == 2
-    store.write_state({"restore_misses": {key: 2}, "restore_disabled": {key: "2026-01-01T00:00:00Z",
-                                                                        "other": "x"}})
-    check = app.test_client().get("/api/status").get_json()["restore_check"]
-    assert check["restoring_off"] is True and check["off_since"] == "2026-01-01T00:00:00Z"
-    assert check["models_off"] == 2
+    check = app.extensions["kvproxy.switch"].restore_check
+    check.record(key, honoured=False)
+    view = app.test_client().get("/api/status").get_json()["restore_check"]
+    assert view["restoring_off"] is False and view["misses_in_a_row"] == 1 and view["limit"] == 2
+    assert view["models_off"] == 0
+    check.record("other", honoured=False)
+    check.record("other", honoured=False)        # another model switched off
+    view = app.test_client().get("/api/status").get_json()["restore_check"]
+    assert view["restoring_off"] is False and view["models_off"] == 1
+    assert check.record(key, honoured=False) == (2, True)
+    view = app.test_client().get("/api/status").get_json()["restore_check"]
+    assert view["restoring_off"] is True and view["models_off"] == 2
+    assert view["off_since"] == check.status(key)["off_since"] and view["off_until"]
+    check.reset()
+    view = app.test_client().get("/api/status").get_json()["restore_check"]
+    assert view["restoring_off"] is False and view["models_off"] == 0
 
 
 def test_restore_check_view_for_another_model_only():
-    view = restore_check_view({"restore_disabled": {"other": "t"}}, 2, running_key="mine")
+    entries = {"other": {"off_since": "2026-01-01T00:00:00+00:00",
+                         "off_until": "2999-01-01T00:00:00+00:00"},
+               "expired": {"off_since": "2026-01-01T00:00:00+00:00",
+                           "off_until": "2026-01-01T01:00:00+00:00", "misses": 1}}
+    view = restore_check_view(entries, 2, running_key="mine")
     assert view["restoring_off"] is False and view["models_off"] == 1
+    assert view["misses_in_a_row"] == 0
+    view = restore_check_view(entries, 2, running_key="expired")
+    assert view["restoring_off"] is False and view["misses_in_a_row"] == 1
+    assert restore_check_view(entries, 2, running_key="other")["restoring_off"] is True
 
 
 def test_session_rows_split_and_sort():

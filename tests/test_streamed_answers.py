@@ -7,6 +7,8 @@ slot tokens, token counts), because OpenWebUI and Claude Code always stream.
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import responses
 from prometheus_client.parser import text_string_to_metric_families
@@ -41,9 +43,27 @@ ROUTES = ["openai-chat", "openai-text", "ollama-chat", "ollama-generate", "anthr
 ROUTES_WITH_SYSTEM = [r for r in ROUTES if r != "openai-text"]
 
 
+def templated(messages: list[dict], generation_prompt: bool = True) -> str:
+    """The stub's chat template: role tags around each message."""
+    text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+    return text + ("<assistant>" if generation_prompt else "")
+
+
+def tokens_of(text: str) -> list[int]:
+    """The stub's tokenizer: one token per character."""
+    return [ord(c) for c in text]
+
+
 @pytest.fixture
 def fake(tmp_path):
+    """llama-server stubbed, with a template and a tokenizer: base snapshots prefill the system
+    prompt alone and the restore check compares token prefixes, so both need them."""
     with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
+        mock.add_callback(responses.POST, f"{UPSTREAM}/apply-template", callback=lambda r: (
+            200, {}, json.dumps({"prompt": templated(json.loads(r.body)["messages"],
+                                                     json.loads(r.body)["add_generation_prompt"])})))
+        mock.add_callback(responses.POST, f"{UPSTREAM}/tokenize", callback=lambda r: (
+            200, {}, json.dumps({"tokens": tokens_of(json.loads(r.body)["content"])})))
         yield FakeLlama(mock, tmp_path)
 
 
@@ -75,10 +95,16 @@ def test_the_slot_is_free_after_a_streamed_answer(tmp_path, fake, route):
     client = app.test_client()
     first = stream(client, route, "first")
     assert first.headers["X-KVProxy-Cache"] == "miss" and first.get_data()
+    before = len(fake.actions)
     # lock_timeout is 0.3 s: a slot still held would answer 503 here
     second = stream(client, route, "second")
     assert second.headers["X-KVProxy-Session"] == "second"
-    assert fake.actions[-2][0] == "save", "the second session swapped the first one out"
+    saves = [file for action, file in fake.actions[before:] if action == "save"]
+    [first_file] = [s["file"] for s in client.get("/api/sessions").get_json()
+                    if s["session_id"] == "first"]
+    assert saves[:1] == [first_file.replace(".bin", ".saving.bin")], \
+        "the second session swapped the first one out"
+    assert (tmp_path / first_file).is_file()
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -99,7 +125,9 @@ def test_a_streamed_answer_counts_tokens_and_records_slot_tokens(tmp_path, fake,
     before = (scraped(client, "kvproxy_prompt_tokens_total", kind="computed"),
               scraped(client, "kvproxy_prompt_tokens_total", kind="reused"))
     stream(client, route, "counted")
-    assert scraped(client, "kvproxy_prompt_tokens_total", kind="computed") == before[0] + 120
+    prefilled = sum(len(p) for p in fake.prefills)  # a base snapshot's system prompt, if made
+    assert scraped(client, "kvproxy_prompt_tokens_total", kind="computed") == \
+        before[0] + 120 + prefilled
     assert scraped(client, "kvproxy_prompt_tokens_total", kind="reused") == before[1] + 7
     assert scraped(client, "kvproxy_slot_tokens") == 132
 
@@ -119,6 +147,9 @@ def test_a_streamed_answer_verifies_the_restore(tmp_path, fake, route):
     switches restoring off."""
     client = make_app(tmp_path, base_snapshots=False, restore_miss_limit=1).test_client()
     fake.chat_timings = {"cache_n": 0, "prompt_n": 200, "predicted_n": 2}
+    # the saved slot holds the first turn's tokens: the next prompt starts with them
+    first_turn = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]
+    fake.slot_token_ids = tokens_of(templated(first_turn) + "ok") + [0] * 300
     stream(client, route, "kept")                        # 202 tokens in the slot
     stream(client, route, "other", system=OTHER_SYSTEM)  # kept saved with 202 tokens
     before = scraped(client, "kvproxy_restore_misses_total", reason="not_honoured")

@@ -29,9 +29,22 @@ def make_switch(tmp_path, **kwargs):
     return SlotSwitch(LlamaClient(UPSTREAM), SessionStore(tmp_path), **kwargs)
 
 
-def answer(switch, session, fake, slot_tokens, cache_n=0):
+class FakePrompt:
+    """The prompt's tokens, as the relay hands them to the switch for the restore check."""
+
+    def __init__(self, tokens):
+        self._tokens = list(tokens)
+
+    def tokens(self):
+        return self._tokens
+
+    def system_tokens(self, min_tokens=0):
+        return None
+
+
+def answer(switch, session, fake, slot_tokens, cache_n=0, prompt=None):
     """One request: take the slot, 'generate' until it holds ``slot_tokens``, release."""
-    lease = switch.acquire(session)
+    lease = switch.acquire(session, prompt=prompt)
     fake.tokens = slot_tokens
     switch.release(lease, {"cache_n": cache_n, "prompt_n": slot_tokens - cache_n - 1,
                            "predicted_n": 1})
@@ -121,17 +134,20 @@ def test_two_proxies_on_one_slot_folder_take_turns(tmp_path, fake):
     fake.tokens = 20
     first.release(lease, {"cache_n": 0, "prompt_n": 19, "predicted_n": 1})
     assert second.acquire(B).cache == MISS
-    assert fake.actions[-2:] == [("save", f"{A.stem}.bin"), ("erase", None)]
+    assert fake.actions[-2:] == [("save", f"{A.stem}.saving.bin"), ("erase", None)]
+    assert SessionStore(tmp_path).has_bin(A.stem)
 
 
 # -- the restore-miss streak ------------------------------------------------------------
 def test_an_honoured_restore_resets_the_streak_of_unhonoured_ones(tmp_path, fake):
     switch = make_switch(tmp_path, restore_miss_limit=2)
+    fake.slot_token_ids = list(range(1000))  # every prompt below starts with the restored tokens
+    prompt = FakePrompt(range(600))
     answer(switch, A, fake, 500)
     answer(switch, B, fake, 500)
-    assert answer(switch, A, fake, 510, cache_n=0).cache == RESTORED     # not honoured: 1
-    assert answer(switch, B, fake, 510, cache_n=499).cache == RESTORED   # honoured: back to 0
-    assert answer(switch, A, fake, 520, cache_n=0).cache == RESTORED     # not honoured: 1
+    assert answer(switch, A, fake, 510, 0, prompt).cache == RESTORED     # not honoured: 1
+    assert answer(switch, B, fake, 510, 499, prompt).cache == RESTORED   # honoured: back to 0
+    assert answer(switch, A, fake, 520, 0, prompt).cache == RESTORED     # not honoured: 1
     assert switch.acquire(B).cache == RESTORED, "one miss in a row must not switch restoring off"
 
 
@@ -162,7 +178,8 @@ def test_evictions_show_in_metrics(tmp_path, fake):
         reply = client.post("/v1/chat/completions", headers={"X-Session-Id": name},
                             json={"messages": [{"role": "user", "content": "hi"}]})
         assert reply.status_code == 200
-    saved = {file for action, file in fake.actions if action == "save"}
+    # saves go to <stem>.saving.bin and are renamed to <stem>.bin once checked
+    saved = {file.replace(".saving.bin", ".bin") for action, file in fake.actions if action == "save"}
     gone = [file for file in saved if not (tmp_path / file).exists()]
     assert len(saved) == 4 and len(gone) == 2, (saved, gone)
     assert sum(p.stat().st_size for p in tmp_path.glob("*.bin")) <= 40
@@ -176,5 +193,6 @@ def test_evictions_show_in_metrics(tmp_path, fake):
     ({"id": 0, "id_task": 7, "n_prompt_tokens": 120}, False),
 ])
 def test_what_counts_as_an_emptied_slot(slot, empty):
-    from kvproxy.switch import slot_is_empty
-    assert slot_is_empty(slot) is empty
+    """kvproxy left 120 tokens in the slot; /slots decides (plan.judge_slot) whether it was emptied."""
+    from kvproxy.plan import EMPTY, OURS, judge_slot
+    assert judge_slot(slot, 120) == (EMPTY if empty else OURS)

@@ -9,7 +9,7 @@ import responses
 from kvproxy import metrics
 from kvproxy.identity import Session, base_stem
 from kvproxy.llama import LlamaClient
-from kvproxy.store import SessionStore
+from kvproxy.store import SessionStore, StorageError
 from kvproxy.switch import MISS, RESTORED, SlotBusy, SlotSwitch
 from tests.fake_llama import UPSTREAM, FakeLlama
 
@@ -29,8 +29,21 @@ def make_switch(tmp_path, **kwargs):
     return SlotSwitch(LlamaClient(UPSTREAM), SessionStore(tmp_path), **kwargs)
 
 
-def answer(switch, session, fake, slot_tokens=100, cache_n=0):
-    lease = switch.acquire(session)
+class FakePrompt:
+    """What the relay hands the switch: the prompt's tokens and its system prompt's."""
+
+    def __init__(self, tokens, system=None):
+        self._tokens, self._system = list(tokens), system
+
+    def tokens(self):
+        return self._tokens
+
+    def system_tokens(self, min_tokens=0):
+        return self._system
+
+
+def answer(switch, session, fake, slot_tokens=100, cache_n=0, prompt=None):
+    lease = switch.acquire(session, prompt=prompt)
     fake.tokens = slot_tokens
     switch.release(lease, {"cache_n": cache_n, "prompt_n": slot_tokens - cache_n - 1,
                            "predicted_n": 1})
@@ -95,24 +108,27 @@ def test_a_failed_restore_is_counted_and_logged(tmp_path, fake, caplog):
 
 def test_unhonoured_restores_are_logged_and_switch_off_names_the_way_back(tmp_path, fake, caplog):
     switch = make_switch(tmp_path, restore_miss_limit=1)
+    fake.slot_token_ids = list(range(1000))
     answer(switch, A, fake, 500)
     answer(switch, B, fake, 500)
-    with caplog.at_level(logging.WARNING, logger="kvproxy.switch"):
-        answer(switch, A, fake, 510, cache_n=0)
+    with caplog.at_level(logging.WARNING, logger="kvproxy.switch"):  # the prompt starts with them
+        answer(switch, A, fake, 510, cache_n=0, prompt=FakePrompt(range(510)))
     assert "restore of session A not honoured: 500 tokens restored, 0 reused (1 in a row)" \
         in messages(caplog)
-    assert ("restoring switched off for this model after 1 unhonoured restores; it comes back "
-            "when the model or llama-server build changes") in messages(caplog)
+    assert ("restoring switched off for this model for 60 minutes after 1 unhonoured restores; "
+            "POST /api/sessions/restore-check/reset turns it back on") in messages(caplog)
 
 
 @pytest.mark.parametrize("restored,reused,counted", [(64, 0, True), (63, 0, False),
                                                      (500, 50, False), (500, 49, True)])
 def test_which_restores_count_as_not_honoured(tmp_path, fake, restored, reused, counted):
-    """Restores of at least 64 tokens are checked; reusing a tenth of them is honoured."""
+    """Restores of at least 64 tokens are checked; reusing a tenth of them is honoured
+    (the prompt starts with every restored token)."""
     switch = make_switch(tmp_path)
+    fake.slot_token_ids = list(range(1000))
     answer(switch, A, fake, restored)
     answer(switch, B, fake, restored)
-    answer(switch, A, fake, restored + 10, cache_n=reused)
+    answer(switch, A, fake, restored + 10, cache_n=reused, prompt=FakePrompt(range(restored + 10)))
     assert bool(SessionStore(tmp_path).read_sidecar(A.stem).get("restore_not_honoured_at")) == counted
 
 
@@ -121,6 +137,7 @@ def test_an_empty_file_restores_no_tokens(tmp_path, fake):
     answer(switch, A, fake)
     answer(switch, B, fake)
     (tmp_path / f"{A.stem}.bin").write_bytes(b"ggsq")  # a slot file of no tokens
+    SessionStore(tmp_path).update_sidecar(A.stem, {}, saved_bytes=4)  # its sidecar agrees
     lease = switch.acquire(A)
     assert (lease.cache, lease.restored_tokens) == (RESTORED, 0)
 
@@ -131,17 +148,18 @@ def test_a_failed_save_is_logged_and_keeps_the_older_file(tmp_path, fake, caplog
     answer(switch, B, fake, 100)          # A saved: 100 tokens
     answer(switch, A, fake, 150)          # A restored, grows to 150
     fake.fail_save = True
-    with caplog.at_level(logging.WARNING, logger="kvproxy.switch"):
-        answer(switch, B, fake)
-    assert "could not save session A: failed to save slot" in messages(caplog)
+    with pytest.raises(StorageError, match="failed to save slot; the previous file is kept"):
+        answer(switch, B, fake)               # the request answers 503
     assert SessionStore(tmp_path).read_sidecar(A.stem)["n_tokens"] == 100
+    assert (tmp_path / f"{A.stem}.bin").stat().st_size == 104
+    assert not (tmp_path / f"{A.stem}.saving.bin").exists()
 
 
 # -- base snapshots ----------------------------------------------------------------
 def test_base_snapshot_sidecar_and_metric(tmp_path, fake):
     switch = make_switch(tmp_path, base_snapshots=True)
     before = metric("kvproxy_swaps_total", kind="base")
-    answer(switch, A, fake)
+    answer(switch, A, fake, prompt=FakePrompt(range(110), list(range(100))))
     base = SessionStore(tmp_path).read_sidecar(base_stem("aaaa"))
     assert (base["session_id"], base["kind"], base["system_hash"]) == ("base:aaaa", "base", "aaaa")
     assert metric("kvproxy_swaps_total", kind="base") == before + 1
@@ -150,10 +168,11 @@ def test_base_snapshot_sidecar_and_metric(tmp_path, fake):
 def test_a_base_is_not_saved_again_when_a_session_starts_empty(tmp_path, fake):
     """A session that cannot use the base (its restore failed) must not overwrite it."""
     switch = make_switch(tmp_path, base_snapshots=True)
-    answer(switch, A, fake)
+    prompt = FakePrompt(range(110), list(range(100)))
+    answer(switch, A, fake, prompt=prompt)
     fake.fail_restore = True
-    assert answer(switch, Session("A2", "test", system_hash="aaaa"), fake).cache == MISS
-    assert fake.actions.count(("save", f"{base_stem('aaaa')}.bin")) == 1
+    assert answer(switch, Session("A2", "test", system_hash="aaaa"), fake, prompt=prompt).cache == MISS
+    assert fake.actions.count(("save", f"{base_stem('aaaa')}.saving.bin")) == 1
 
 
 # -- shutdown save -------------------------------------------------------------------
@@ -193,7 +212,8 @@ def test_after_clear_nothing_is_saved_as_default(tmp_path, fake, caplog):
     with caplog.at_level(logging.INFO, logger="kvproxy.switch"):
         switch.clear()
     assert "swap to session=default source=admin" in caplog.text
-    saves = fake.actions.count(("save", f"{A.stem}.bin"))
+    assert ("save", f"{A.stem}.saving.bin") in fake.actions  # clear() saved A
+    saves = [a for a, _ in fake.actions].count("save")
     answer(switch, B, fake)
     assert [a for a, _ in fake.actions].count("save") == saves
     assert not list(tmp_path.glob("default*"))
@@ -300,9 +320,11 @@ def test_a_file_whose_sidecar_never_recorded_a_save_is_not_restored(tmp_path, fa
 
 def test_restoring_comes_back_when_the_build_changes(tmp_path, fake):
     switch = make_switch(tmp_path, restore_miss_limit=1)
+    fake.slot_token_ids = list(range(1000))
     answer(switch, A, fake, 500)
     answer(switch, B, fake, 500)
-    answer(switch, A, fake, 510, cache_n=0)          # not honoured: switched off for b1-test
+    answer(switch, A, fake, 510, cache_n=0,          # not honoured: switched off for b1-test
+           prompt=FakePrompt(range(510)))
     lease = switch.acquire(B)
     switch.release(lease)
     assert lease.cache == MISS
