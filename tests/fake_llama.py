@@ -11,6 +11,7 @@ import re
 import struct
 from pathlib import Path
 
+import pytest
 import responses
 from responses import matchers
 
@@ -149,3 +150,19 @@ class FakeLlama:
             return 200, {"Content-Type": "text/event-stream"}, text
         return self._json({"choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}],
                            "timings": timings})
+
+
+def make_switch(slot_dir, **kwargs):
+    """A slot switch over ``slot_dir`` talking to the stub; base snapshots off unless asked."""
+    from kvproxy.llama import LlamaClient
+    from kvproxy.store import SessionStore
+    from kvproxy.switch import SlotSwitch
+    kwargs.setdefault("base_snapshots", False)
+    return SlotSwitch(LlamaClient(UPSTREAM), SessionStore(slot_dir), **kwargs)
+
+
+@pytest.fixture
+def fake(tmp_path):
+    """The llama-server stub over a temporary slot folder (import it as a fixture)."""
+    with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
+        yield FakeLlama(mock, tmp_path)

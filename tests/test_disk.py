@@ -14,22 +14,11 @@ from kvproxy.identity import Session, base_stem
 from kvproxy.llama import LlamaClient
 from kvproxy.store import SIDECAR_FORMAT, SessionStore, StorageError
 from kvproxy.switch import BASE, MISS, RESTORED, SlotSwitch
-from tests.fake_llama import UPSTREAM, FakeLlama
+from tests.fake_llama import UPSTREAM, FakeLlama, fake, make_switch  # noqa: F401 - fake is a fixture
 
 A = Session("A", "test", system_hash="aaaa")
 B = Session("B", "test", system_hash="bbbb")
 OPENAI_BODY = {"messages": [{"role": "user", "content": "hi"}]}
-
-
-@pytest.fixture
-def fake(tmp_path):
-    with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
-        yield FakeLlama(mock, tmp_path)
-
-
-def make_switch(tmp_path, **kwargs):
-    kwargs.setdefault("base_snapshots", False)
-    return SlotSwitch(LlamaClient(UPSTREAM), SessionStore(tmp_path), **kwargs)
 
 
 class SystemPrompt:

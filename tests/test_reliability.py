@@ -17,22 +17,12 @@ from kvproxy.restore_check import judge, slot_file_tokens
 from kvproxy.store import SessionStore
 from kvproxy.plan import EMPTY, FOREIGN, OURS, UNKNOWN, judge_slot, plan_swap
 from kvproxy.switch import RESTORED, ClientGone, SlotBusy, SlotSwitch, fingerprint_key
-from tests.fake_llama import UPSTREAM, FakeLlama
+from tests.fake_llama import UPSTREAM, FakeLlama, fake, make_switch  # noqa: F401 - fake is a fixture
 from tests.test_switch import FakePrompt, turn
 
 A = Session("A", "test")
 B = Session("B", "test")
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
-
-
-@pytest.fixture
-def fake(tmp_path):
-    with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
-        yield FakeLlama(mock, tmp_path)
-
-
-def make_switch(tmp_path, **kwargs):
-    return SlotSwitch(LlamaClient(UPSTREAM), SessionStore(tmp_path), base_snapshots=False, **kwargs)
 
 
 def wait_until(condition, timeout=5.0):
