@@ -429,6 +429,8 @@ class SlotSwitch:
             held = cache_n + prompt_n + predicted_n
             if state.get("slot_tokens") != held:
                 self.store.write_state({**state, "slot_tokens": held})
+        else:
+            self._note_slot_after_cut(state)
         if lease.cache in (RESTORED, BASE) and timings:
             self._verify_restore(lease, cache_n)
         if not session.persistent:
@@ -437,6 +439,19 @@ class SlotSwitch:
                                   count="hits", session_id=session.id, last_used_at=now_iso(),
                                   last_cache=lease.cache, last_cache_n=cache_n,
                                   last_prompt_n=prompt_n)
+
+    def _note_slot_after_cut(self, state: dict) -> None:
+        """An answer that ended without timings (cut short at shutdown, client gone): ask
+        ``/slots`` what the slot holds now, while the lock still keeps everyone else out, so
+        the next swap or the save at shutdown can still prove the slot is this session's."""
+        try:
+            slots = self.client.slots()
+        except (UpstreamError, UpstreamUnavailable):
+            return  # llama-server gone: the next swap finds the slot empty or unknown
+        entry = next((s for s in slots if isinstance(s, dict) and s.get("id") == self.slot_id), None)
+        held = int(entry.get("n_prompt_tokens") or 0) if entry and "id_task" in entry else 0
+        if held and state.get("slot_tokens") != held:
+            self.store.write_state({**state, "slot_tokens": held})
 
     def _verify_restore(self, lease: Lease, cache_n: int) -> None:
         """Count restores that llama-server reported but did not use (see restore_check)."""

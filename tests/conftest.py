@@ -98,3 +98,10 @@ def long_text(n_words: int, seed: int) -> str:
 def http():
     with requests.Session() as session:
         yield session
+
+
+def count_tokens(stack: Stack, text: str) -> int:
+    """Tokens of ``text`` by llama-server's own tokenizer (asked directly, not through kvproxy)."""
+    reply = requests.post(stack.llama.url + "/tokenize", json={"content": text}, timeout=30)
+    reply.raise_for_status()
+    return len(reply.json()["tokens"])

@@ -63,6 +63,10 @@ def test_a_failed_real_save_is_503_and_keeps_the_old_file(stack, client):
             ask(client, "disk-b")
         assert caught.value.status_code == 503
         assert "could not save" in caught.value.body["message"]
+        # after a failed swap the slot is not trusted: disk-a comes back from its own file
+        # (never saved from the uncertain slot), and the next swap tries the save again
+        assert ask(client, "disk-a")["x-kvproxy-cache"] == "restored"
+        assert path.read_bytes() == before
         claude = anthropic.Anthropic(base_url=stack.url, api_key="unused", max_retries=0)
         with pytest.raises(anthropic.APIStatusError) as caught:
             claude.messages.create(model="any", max_tokens=4, system=SYSTEM,
