@@ -51,7 +51,13 @@ $(NPM_DIR)/.claude-code-$(CLAUDE_CODE_VERSION):
 run: setup
 	$(BIN)/python -m kvproxy.serve
 
-test: setup nginx claude-cli
+# The status page test drives Debian's chromium headless (Playwright's own browsers are not used).
+.PHONY: browser
+browser:
+	@command -v chromium >/dev/null || { echo "== installing chromium (status page test)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+
+test: setup nginx browser claude-cli
 	$(BIN)/python -m pytest -m "not deploy"
 
 # nginx in front of one and then two kvproxy + llama-server pairs (about 7 minutes).
