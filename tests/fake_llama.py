@@ -166,3 +166,16 @@ def fake(tmp_path):
     """The llama-server stub over a temporary slot folder (import it as a fixture)."""
     with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
         yield FakeLlama(mock, tmp_path)
+
+
+class FakePrompt:
+    """What the relay hands the switch: the prompt's tokens and its system prompt's."""
+
+    def __init__(self, tokens, system=None):
+        self._tokens, self._system = list(tokens), system
+
+    def tokens(self):
+        return self._tokens
+
+    def system_tokens(self, min_tokens=0):
+        return self._system

@@ -14,24 +14,12 @@ from kvproxy.identity import Session, base_stem
 from kvproxy.llama import LlamaClient
 from kvproxy.store import SIDECAR_FORMAT, SessionStore, StorageError
 from kvproxy.switch import BASE, MISS, RESTORED, SlotSwitch
-from tests.fake_llama import UPSTREAM, FakeLlama, fake, make_switch  # noqa: F401 - fake is a fixture
+from tests.fake_llama import UPSTREAM, FakeLlama, FakePrompt, fake, make_switch  # noqa: F401 - fake is a fixture
 
 A = Session("A", "test", system_hash="aaaa")
 B = Session("B", "test", system_hash="bbbb")
 OPENAI_BODY = {"messages": [{"role": "user", "content": "hi"}]}
 
-
-class SystemPrompt:
-    """The prompt view the relay hands the switch: here only its system prompt's tokens."""
-
-    def __init__(self, system):
-        self._system = list(system)
-
-    def tokens(self):
-        return self._system + [900, 901]
-
-    def system_tokens(self, min_tokens=0):
-        return self._system
 
 
 def turn(switch, session, fake, tokens=12, prompt=None):
@@ -276,7 +264,8 @@ def test_orphans_count_toward_the_bound_and_go_first(tmp_path, fake):
 def test_eviction_spares_the_incoming_session_and_its_base(tmp_path, fake):
     switch = make_switch(tmp_path, base_snapshots=True, max_disk_bytes=96)
     old = Session("old", "test", system_hash="cafe")
-    turn(switch, old, fake, tokens=40, prompt=SystemPrompt(range(32)))  # base.cafe saved (36)
+    system = list(range(32))
+    turn(switch, old, fake, tokens=40, prompt=FakePrompt(system + [900, 901], system))  # base.cafe saved (36)
     assert (tmp_path / f"{base_stem('cafe')}.bin").stat().st_size == 36
     for name in ("s1", "s2"):
         turn(switch, Session(name, "test"), fake)        # old (44), s1 (16) saved: 96

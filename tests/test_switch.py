@@ -9,7 +9,7 @@ from kvproxy.identity import Session, base_stem, client_key, file_stem
 from kvproxy.llama import LlamaClient
 from kvproxy.store import SessionStore
 from kvproxy.switch import BASE, HIT, MISS, RESTORED, SlotBusy, SlotSwitch, fingerprint_key
-from tests.fake_llama import UPSTREAM, FakeLlama
+from tests.fake_llama import UPSTREAM, FakeLlama, FakePrompt
 
 
 @pytest.fixture
@@ -92,18 +92,6 @@ def test_failed_restore_leaves_a_clean_slot(tmp_path, fake):
     assert turn(switch, A, fake).cache == MISS
     assert fake.actions[-2:] == [("restore", f"{A.stem}.bin"), ("erase", None)]
 
-
-class FakePrompt:
-    """What the relay hands the switch: the prompt's tokens and its system prompt's."""
-
-    def __init__(self, tokens, system=None):
-        self._tokens, self._system = list(tokens), system
-
-    def tokens(self):
-        return self._tokens
-
-    def system_tokens(self, min_tokens=0):
-        return self._system
 
 
 def test_base_snapshot_holds_only_the_system_prompt_and_serves_new_sessions(tmp_path, fake):

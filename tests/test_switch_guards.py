@@ -11,24 +11,12 @@ from kvproxy.identity import Session
 from kvproxy.llama import LlamaClient
 from kvproxy.store import SessionStore
 from kvproxy.switch import HIT, MISS, RESTORED, SlotBusy, SlotSwitch
-from tests.fake_llama import UPSTREAM, FakeLlama, fake, make_switch  # noqa: F401 - fake is a fixture
+from tests.fake_llama import UPSTREAM, FakeLlama, FakePrompt, fake, make_switch  # noqa: F401 - fake is a fixture
 
 A = Session("A", "test", system_hash="aaaa")
 B = Session("B", "test", system_hash="bbbb")
 DEFAULT = Session("default", "default", persistent=False)
 
-
-class FakePrompt:
-    """The prompt's tokens, as the relay hands them to the switch for the restore check."""
-
-    def __init__(self, tokens):
-        self._tokens = list(tokens)
-
-    def tokens(self):
-        return self._tokens
-
-    def system_tokens(self, min_tokens=0):
-        return None
 
 
 def answer(switch, session, fake, slot_tokens, cache_n=0, prompt=None):

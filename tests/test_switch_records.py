@@ -11,24 +11,12 @@ from kvproxy.identity import Session, base_stem
 from kvproxy.llama import LlamaClient
 from kvproxy.store import SessionStore, StorageError
 from kvproxy.switch import MISS, RESTORED, SlotBusy, SlotSwitch
-from tests.fake_llama import UPSTREAM, FakeLlama, fake, make_switch  # noqa: F401 - fake is a fixture
+from tests.fake_llama import UPSTREAM, FakeLlama, FakePrompt, fake, make_switch  # noqa: F401 - fake is a fixture
 
 A = Session("A", "test", system_hash="aaaa", key="A#aaaa")
 B = Session("B", "test", system_hash="bbbb")
 DEFAULT = Session("default", "default", persistent=False)
 
-
-class FakePrompt:
-    """What the relay hands the switch: the prompt's tokens and its system prompt's."""
-
-    def __init__(self, tokens, system=None):
-        self._tokens, self._system = list(tokens), system
-
-    def tokens(self):
-        return self._tokens
-
-    def system_tokens(self, min_tokens=0):
-        return self._system
 
 
 def answer(switch, session, fake, slot_tokens=100, cache_n=0, prompt=None):
