@@ -52,14 +52,18 @@ class Entry:
             kwargs["data"] = self.raw.encode()
             headers.setdefault("Content-Type", "application/json")
         elif self.body is not None:
-            kwargs["data"] = json.dumps(bounded(self.body)).encode()
+            kwargs["data"] = json.dumps(
+                bounded(self.body, ollama=self.path.startswith(OLLAMA_PATHS))).encode()
             if not any(k.lower() == "content-type" for k in headers):
                 headers["Content-Type"] = "application/json"
         return kwargs
 
 
-def bounded(body: Any) -> Any:
-    """The body with generation lengths capped at MAX_TOKENS (Ollama's options too)."""
+def bounded(body: Any, ollama: bool = False) -> Any:
+    """The body with generation lengths capped at MAX_TOKENS (Ollama's options too).
+
+    An Ollama request reads only ``options.num_predict``, so ``ollama`` adds it where the
+    client sent none (OpenWebUI's follow-up task asks for an answer of any length)."""
     if not isinstance(body, dict):
         return body
     body = dict(body)
@@ -69,8 +73,8 @@ def bounded(body: Any) -> Any:
     for name in LENGTH_FIELDS:
         if isinstance(body.get(name), int) and (body[name] < 0 or body[name] > MAX_TOKENS):
             body[name] = MAX_TOKENS
-    if isinstance(body.get("options"), dict):
-        body["options"] = {**body["options"], "num_predict": MAX_TOKENS}
+    if isinstance(body.get("options"), dict) or (ollama and generates):
+        body["options"] = {**(body.get("options") or {}), "num_predict": MAX_TOKENS}
     return body
 
 

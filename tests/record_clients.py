@@ -1,6 +1,6 @@
 """Record the request fixtures under tests/fixtures/recorded/<client>/ from real clients.
 
-    .venv/bin/python tests/record_clients.py [claude-code anthropic openai ollama]
+    .venv/bin/python tests/record_clients.py [claude-code anthropic openai ollama openwebui]
 
 Starts llama-server (bundled model) and kvproxy on free ports, puts the recording
 relay (``recorder.py``) in front of kvproxy and drives each client through a short
@@ -9,6 +9,10 @@ becomes one scrubbed JSON file ``NN-<what>.json`` (``{"method","path","headers",
 Claude Code is answered by the relay itself with a canned reply: its prompt (about 4,200
 tokens plus twelve tool schemas) and ``max_tokens: 128000`` would keep the bundled model
 busy for many minutes per turn, and the fixture is the request, not the answer.
+OpenWebUI runs as its own server with its Ollama connection at the relay and is driven
+through its HTTP API (see ``openwebui_app.py``, which says how to install it: it is not
+a dependency of kvproxy, and the recording takes several minutes because its follow-up
+task asks for an unbounded answer).
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from claude_cli import claude_binary, run_claude  # noqa: E402
+from openwebui_app import OPENWEBUI_VERSION, OpenWebUI, openwebui_command, request_name  # noqa: E402
 from recorder import Recorder, machine_strings, write_fixtures  # noqa: E402
 
 from kvproxy.processes import LlamaServer, ProxyServer  # noqa: E402
@@ -107,7 +112,25 @@ def record_ollama(url: str) -> list[str]:
     return ["tags", "show", "chat", "chat-stream", "chat-3rd-turn", "generate"]
 
 
-CLIENTS = {"claude-code": None, "anthropic": record_anthropic, "openai": record_openai,
+def record_openwebui(url: str, tmp: Path) -> tuple[list[str], dict[str, str]]:
+    """Sign up the admin, list models, then two chat turns with OpenWebUI's background
+    tasks (title, tags and follow-ups on the first turn, follow-ups on the second)."""
+    command = openwebui_command()
+    if not command:
+        raise SystemExit(f"open-webui is not installed: see tests/openwebui_app.py "
+                         f"(open-webui=={OPENWEBUI_VERSION} in a venv of its own)")
+    app = OpenWebUI(command, url, tmp / "data", tmp / "openwebui.log").start()
+    try:
+        app.sign_up_admin()
+        model = app.models()[0]
+        chat_id, answer_id, _ = app.chat_turn(model, "Name a colour.")
+        app.chat_turn(model, "And another one?", chat_id=chat_id, parent_id=answer_id)
+    finally:
+        app.stop()
+    return [], {str(tmp): "/tmp/openwebui"}
+
+
+CLIENTS = {"claude-code": None, "openwebui": None, "anthropic": record_anthropic, "openai": record_openai,
            "ollama": record_ollama}
 
 
@@ -128,6 +151,10 @@ def main() -> int:
                     extra: dict[str, str] = {}
                     if client == "claude-code":
                         names, extra = record_claude_code(recorder.url, tmp / "claude")
+                    elif client == "openwebui":
+                        _, extra = record_openwebui(recorder.url, tmp / "openwebui")
+                        # its tasks run beside the chat: name each request by what it is
+                        names = [request_name(r) for r in recorder.requests]
                     else:
                         names = CLIENTS[client](recorder.url)
                 if len(names) != len(recorder.requests):

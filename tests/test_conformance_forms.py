@@ -53,6 +53,9 @@ def test_generation_is_capped_without_changing_anything_else():
     assert bounded({"prompt": "p"})["max_tokens"] == 8
     assert bounded({"content": "tokenize me"}) == {"content": "tokenize me"}
     assert bounded({"messages": [], "options": {"num_predict": 99}})["options"]["num_predict"] == 8
+    assert "options" not in bounded({"messages": []})  # not an Ollama request
+    assert bounded({"messages": [], "stream": False}, ollama=True)["options"] == {"num_predict": 8}
+    assert bounded({"model": "m"}, ollama=True) == {"model": "m"}  # /api/show: no generation
 
 
 def test_corpus_loads_hand_made_and_recorded_requests(tmp_path):
@@ -68,6 +71,7 @@ def test_corpus_loads_hand_made_and_recorded_requests(tmp_path):
     assert corpus[0].direct and not corpus[1].direct  # Ollama: kvproxy only
     assert corpus[1].request_kwargs()["headers"] == {"X-Session-Id": "s",
                                                      "Content-Type": "application/json"}
+    assert json.loads(corpus[1].request_kwargs()["data"])["options"] == {"num_predict": 8}
     assert not Entry("x", "GET", "/v1/x", expect={"direct": False}).direct
 
 

@@ -4,17 +4,24 @@ OpenWebUI (Ollama connection, ENABLE_FORWARD_USER_INFO_HEADERS=true) probes the
 server, then streams a chat with X-OpenWebUI-Chat-Id and asks for a title with
 a ``### Task:`` request under the same chat id. The title must not cost the
 conversation its cached prompt.
+
+The hand-made sequence checks each field OpenWebUI reads; the recorded one
+(tests/fixtures/recorded/openwebui: OpenWebUI 0.12.4 itself, two chat turns with its
+title, tags and follow-up tasks, made by ``record_clients.py openwebui``) is replayed
+in the order OpenWebUI sent it, with its own headers.
 """
 from __future__ import annotations
 
 import json
 from datetime import datetime
+from pathlib import Path
 
 import pytest
 import requests
 
 from conftest import count_tokens, long_text
 from kvproxy.identity import SIDE_SESSION
+from recorder import load_fixtures
 
 pytestmark = pytest.mark.real
 
@@ -22,6 +29,7 @@ CHAT_ID = "3f1c2a9e-5b7d-4e21-9a0c-7d1e2f3a4b5c"
 USER_HEADERS = {"X-OpenWebUI-Chat-Id": CHAT_ID, "X-OpenWebUI-User-Id": "u-1",
                 "X-OpenWebUI-User-Name": "Ada", "X-OpenWebUI-User-Email": "ada@example.org",
                 "X-OpenWebUI-User-Role": "user"}
+RECORDED = load_fixtures(Path(__file__).parent / "fixtures" / "recorded" / "openwebui")
 DURATIONS = ("total_duration", "load_duration", "prompt_eval_count", "prompt_eval_duration",
              "eval_count", "eval_duration")
 
@@ -112,3 +120,45 @@ def test_chat_stream_then_title_task_keeps_the_conversation_cache(stack, http, m
     # snapshot, which would mean the file was lost) and evaluates only the new turn
     assert response.headers["X-KVProxy-Cache"] == "restored"
     assert chunks[-1]["prompt_eval_count"] < 0.2 * count_tokens(stack, messages[0]["content"])
+
+
+def replay(url: str, record: dict) -> tuple[requests.Response, dict | None]:
+    """One recorded request as OpenWebUI sent it, its answer capped at 8 tokens; the reply
+    and, for a chat, its last (or only) NDJSON object."""
+    body = record["body"]
+    if isinstance(body, dict) and "messages" in body:
+        body = {**body, "options": {**(body.get("options") or {}), "num_predict": 8}}
+    reply = requests.request(record["method"], url + record["path"], headers=record["headers"],
+                             json=body if record["method"] == "POST" else None, timeout=600)
+    final = json.loads(reply.text.strip().splitlines()[-1]) if "messages" in (body or {}) else None
+    return reply, final
+
+
+def test_recorded_openwebui_chat_keeps_its_slot_through_its_tasks(stack):
+    tasks = [r for r in RECORDED if r["method"] == "POST"
+             and r["body"]["messages"][-1]["content"].startswith("### Task:")]
+    chats = [r for r in RECORDED if r["method"] == "POST" and r not in tasks]
+    assert len(chats) == 2 and len(tasks) >= 3  # title, tags and follow-ups
+    chat_id = chats[0]["headers"]["x-openwebui-chat-id"]
+    assert all(r["headers"]["x-openwebui-chat-id"] == chat_id for r in tasks + chats)
+    system_tokens = count_tokens(stack, chats[0]["body"]["messages"][0]["content"])
+
+    turns = []
+    for record in RECORDED:
+        reply, final = replay(stack.url, record)
+        assert reply.status_code == 200, reply.text[:500]
+        if record in tasks:
+            assert reply.headers["X-KVProxy-Session"] == SIDE_SESSION
+            assert final["done"] is True
+        elif record in chats:
+            assert reply.headers["X-KVProxy-Session"] == chat_id
+            turns.append((reply.headers["X-KVProxy-Cache"], final["prompt_eval_count"]))
+    print(f"recorded OpenWebUI chat: system prompt {system_tokens} tokens, "
+          f"turns (cache, prompt_eval_count) {turns}")
+    (first_cache, _), (second_cache, second_evaluated) = turns
+    assert first_cache in ("miss", "base")  # a new chat
+    # tasks ran in between and took the slot: turn 2 comes back from the chat's own file
+    # (not its base snapshot or empty, which would mean a task overwrote or evicted it)
+    # and evaluates only what is new, never the system prompt again
+    assert second_cache in ("hit", "restored")
+    assert second_evaluated < system_tokens
