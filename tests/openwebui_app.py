@@ -7,10 +7,12 @@ dependency of kvproxy or of its tests (the recorded fixtures are committed); ins
 into a venv of its own, outside the checkout:
 
     python3.11 -m venv /tmp/owui-venv
-    /tmp/owui-venv/bin/pip install torch==2.13.0     # a CPU build first, if pip offers one
+    /tmp/owui-venv/bin/pip install <a CPU build of torch>
     /tmp/owui-venv/bin/pip install open-webui==0.12.4
 
-and name its command with ``OPENWEBUI=/tmp/owui-venv/bin/open-webui`` (else ``open-webui``
+torch first: open-webui needs it through sentence-transformers, and left to itself pip
+takes a CUDA build of several GB; with torch in place the rest took about 3 minutes.
+Name its command with ``OPENWEBUI=/tmp/owui-venv/bin/open-webui`` (else ``open-webui``
 on PATH is used).
 
 A chat is driven as OpenWebUI's browser client does it: ``POST /api/chat/completions``

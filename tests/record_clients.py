@@ -1,6 +1,6 @@
 """Record the request fixtures under tests/fixtures/recorded/<client>/ from real clients.
 
-    .venv/bin/python tests/record_clients.py [claude-code anthropic openai ollama openwebui]
+    .venv/bin/python tests/record_clients.py [claude-code codex anthropic openai ollama openwebui]
 
 Starts llama-server (bundled model) and kvproxy on free ports, puts the recording
 relay (``recorder.py``) in front of kvproxy and drives each client through a short
@@ -9,6 +9,8 @@ becomes one scrubbed JSON file ``NN-<what>.json`` (``{"method","path","headers",
 Claude Code is answered by the relay itself with a canned reply: its prompt (about 4,200
 tokens plus twelve tool schemas) and ``max_tokens: 128000`` would keep the bundled model
 busy for many minutes per turn, and the fixture is the request, not the answer.
+Codex CLI (``codex_cli.py`` says how to install it) runs ``codex exec`` and
+``codex exec resume`` with a model provider whose ``base_url`` is the relay.
 OpenWebUI runs as its own server with its Ollama connection at the relay and is driven
 through its HTTP API (see ``openwebui_app.py``, which says how to install it: it is not
 a dependency of kvproxy, and the recording takes several minutes because its follow-up
@@ -26,6 +28,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from claude_cli import claude_binary, run_claude  # noqa: E402
+from codex_cli import codex_binary, run_codex, thread_id  # noqa: E402
 from openwebui_app import OPENWEBUI_VERSION, OpenWebUI, openwebui_command, request_name  # noqa: E402
 from recorder import Recorder, machine_strings, write_fixtures  # noqa: E402
 
@@ -49,6 +52,19 @@ def record_claude_code(url: str, tmp: Path) -> tuple[list[str], dict[str, str]]:
                resume=first["session_id"], timeout=120)
     return ["first-turn", "resumed-turn"], {str(workdir): "/home/user/project",
                                             str(home): "/home/user"}
+
+
+def record_codex(url: str, tmp: Path) -> tuple[list[str], dict[str, str]]:
+    """Two turns of ``codex exec``: a question, then ``exec resume`` with a follow-up."""
+    binary = codex_binary()
+    if not binary:
+        raise SystemExit("codex is not installed: see tests/codex_cli.py")
+    home, workdir = tmp / "home", tmp / "project"
+    first = run_codex(binary, url, "Say hello in one word.", home / ".codex", workdir)
+    run_codex(binary, url, "Now say it in French.", home / ".codex", workdir,
+              resume=thread_id(first))
+    return ["responses-first-turn", "responses-second-turn"], {
+        str(workdir): "/home/user/project", str(home): "/home/user"}
 
 
 def record_anthropic(url: str) -> list[str]:
@@ -130,8 +146,9 @@ def record_openwebui(url: str, tmp: Path) -> tuple[list[str], dict[str, str]]:
     return [], {str(tmp): "/tmp/openwebui"}
 
 
-CLIENTS = {"claude-code": None, "openwebui": None, "anthropic": record_anthropic, "openai": record_openai,
-           "ollama": record_ollama}
+# None: driven by main() itself (its own program, folders and request names)
+CLIENTS = {"claude-code": None, "codex": None, "openwebui": None, "anthropic": record_anthropic,
+           "openai": record_openai, "ollama": record_ollama}
 
 
 def main() -> int:
@@ -151,6 +168,8 @@ def main() -> int:
                     extra: dict[str, str] = {}
                     if client == "claude-code":
                         names, extra = record_claude_code(recorder.url, tmp / "claude")
+                    elif client == "codex":
+                        names, extra = record_codex(recorder.url, tmp / "codex")
                     elif client == "openwebui":
                         _, extra = record_openwebui(recorder.url, tmp / "openwebui")
                         # its tasks run beside the chat: name each request by what it is

@@ -147,10 +147,13 @@ def machine_strings(paths: dict[str, str] | None = None) -> list[tuple[str, str]
     pairs = []
     for path, neutral in (paths or {}).items():
         pairs += [(path, neutral), (path.replace("/", "-"), neutral.replace("/", "-"))]
-    pairs += [(str(Path.home()), "/home/user"), (socket.gethostname(), "host")]
-    user = getpass.getuser()
-    if len(user) > 3:  # short names ("root") would hit ordinary words
-        pairs.append((user, "user"))
+    # The home folder only as the start of a path: "/root" alone is also a word in what
+    # clients send (Codex's agent_name "/root", a "</root>" tag).
+    pairs.append((str(Path.home()).rstrip("/") + "/", "/home/user/"))
+    # short names ("root", a host called "vm") would hit ordinary words and tags
+    for name, neutral in ((socket.gethostname(), "host"), (getpass.getuser(), "user")):
+        if len(name) > 4:
+            pairs.append((name, neutral))
     return sorted(pairs, key=lambda pair: -len(pair[0]))
 
 

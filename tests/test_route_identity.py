@@ -77,7 +77,7 @@ def test_infill_with_a_file_name_gets_a_session_per_file():
 
 
 def test_recorded_codex_request_is_named_by_its_session():
-    """Codex CLI 0.169 sends its session id as a Session-Id header and as prompt_cache_key."""
+    """Codex CLI 0.171 sends its session id as a Session-Id header and as prompt_cache_key."""
     import json
     from pathlib import Path
     recorded = json.loads((Path(__file__).parent / "fixtures/recorded/codex/"
