@@ -1,13 +1,18 @@
 """llama-server's own routes through kvproxy on the real llama-server, with real clients.
 
 The Responses API is driven by the ``openai`` SDK (``client.responses``);
-/infill is sent as llama.vscode sends it, to the bundled model with FIM tokens named.
+/infill is sent as llama.vscode sends it, to the bundled model with FIM tokens named:
+hand-made, and as recorded from llama.vscode's own completion code
+(tests/fixtures/recorded/llama-vscode, see its README).
 """
+from pathlib import Path
+
 import openai
 import pytest
 import requests
 
 from tests.conftest import Stack, long_text
+from tests.recorder import load_fixtures
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(300)]
 
@@ -118,6 +123,34 @@ def test_infill_reuses_the_editor_prefix(stack, client):
                           timeout=120)
         assert third.headers["X-KVProxy-Cache"] == "restored"
         assert third.json()["timings"]["cache_n"] > 0.9 * prompt_tokens
+
+
+def test_recorded_llama_vscode_completions_reuse_the_editor_session(stack):
+    """Its ring-buffer update (n_predict 0) loads the project chunks; the completions
+    after it, at two places in one file and the speculative one after an answer, run in
+    the editor's session and read the chunks and the shared prefix from the slot."""
+    recorded = load_fixtures(Path(__file__).parent / "fixtures" / "recorded" / "llama-vscode")
+    session = [r for r in recorded if "expect" not in r]
+    assert session[0]["body"]["n_predict"] == 0 and len(session) == 4
+    figures = []
+    with requests.Session() as http:
+        for record in session:
+            body = {**record["body"], "n_predict": min(record["body"]["n_predict"], 8)}
+            reply = http.post(stack.url + record["path"], json=body, headers=record["headers"],
+                              timeout=120)
+            assert reply.status_code == 200, reply.text[:500]
+            assert reply.headers["X-KVProxy-Session"] == "infill"
+            timings = reply.json()["timings"]
+            figures.append((reply.headers["X-KVProxy-Cache"], timings["cache_n"],
+                            timings["prompt_n"]))
+    print(f"recorded llama.vscode (cache, cache_n, prompt_n): {figures}")
+    assert [cache for cache, *_ in figures[1:]] == ["hit", "hit", "hit"]
+    ring_update = figures[0][1] + figures[0][2]
+    for _, cached, _computed in figures[1:]:
+        # the project chunks are not computed again (only the tokens after them differ)
+        assert cached > 0.95 * ring_update > 0
+    # the speculative request is the one before it with the suggestion appended
+    assert figures[3][1] > 0.9 * (figures[2][1] + figures[2][2])
 
 
 def test_passthrough_routes_answer_as_llama_server(stack):
