@@ -22,6 +22,10 @@ FIXTURES = Path(__file__).parent / "fixtures"
 HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "accept-encoding",
                "keep-alive"}
 # Generation is capped to keep the suite quick; the cap changes lengths, never forms.
+# It is greedy where the client sent no temperature, so both sides answer the same tokens:
+# llama-server's own Responses stream repeats response.created / response.in_progress in
+# the middle for some sampled answers (1 of 8 replays of the recorded Codex request, none
+# of 10 greedy ones), which would make two sampled answers differ in form by chance.
 LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "n_predict")
 MAX_TOKENS = 8
 # Ollama's API: llama-server does not speak it, so only kvproxy is asked.
@@ -60,7 +64,8 @@ class Entry:
 
 
 def bounded(body: Any, ollama: bool = False) -> Any:
-    """The body with generation lengths capped at MAX_TOKENS (Ollama's options too).
+    """The body with generation lengths capped at MAX_TOKENS (Ollama's options too), and
+    greedy unless it names a temperature.
 
     An Ollama request reads only ``options.num_predict``, so ``ollama`` adds it where the
     client sent none (OpenWebUI's follow-up task asks for an answer of any length)."""
@@ -74,7 +79,10 @@ def bounded(body: Any, ollama: bool = False) -> Any:
         if isinstance(body.get(name), int) and (body[name] < 0 or body[name] > MAX_TOKENS):
             body[name] = MAX_TOKENS
     if isinstance(body.get("options"), dict) or (ollama and generates):
-        body["options"] = {**(body.get("options") or {}), "num_predict": MAX_TOKENS}
+        body["options"] = {"temperature": 0, **(body.get("options") or {}),
+                           "num_predict": MAX_TOKENS}
+    elif generates:
+        body.setdefault("temperature", 0)
     return body
 
 

@@ -49,13 +49,22 @@ def test_differences_see_what_a_client_sees():
 
 def test_generation_is_capped_without_changing_anything_else():
     assert bounded({"messages": [], "max_tokens": 32000, "x": 1}) == \
-        {"messages": [], "max_tokens": 8, "x": 1}
+        {"messages": [], "max_tokens": 8, "x": 1, "temperature": 0}
     assert bounded({"prompt": "p"})["max_tokens"] == 8
     assert bounded({"content": "tokenize me"}) == {"content": "tokenize me"}
-    assert bounded({"messages": [], "options": {"num_predict": 99}})["options"]["num_predict"] == 8
+    assert bounded({"messages": [], "options": {"num_predict": 99}})["options"] == \
+        {"num_predict": 8, "temperature": 0}
     assert "options" not in bounded({"messages": []})  # not an Ollama request
-    assert bounded({"messages": [], "stream": False}, ollama=True)["options"] == {"num_predict": 8}
+    assert bounded({"messages": [], "stream": False}, ollama=True)["options"] == \
+        {"num_predict": 8, "temperature": 0}
     assert bounded({"model": "m"}, ollama=True) == {"model": "m"}  # /api/show: no generation
+
+
+def test_a_temperature_the_client_sent_is_kept():
+    """Hand-made cases send bad temperatures on purpose; greedy is only the default."""
+    assert bounded({"input": "x", "temperature": "hot"})["temperature"] == "hot"
+    assert bounded({"messages": [], "options": {"temperature": 0.7}}, ollama=True)["options"] == \
+        {"temperature": 0.7, "num_predict": 8}
 
 
 def test_corpus_loads_hand_made_and_recorded_requests(tmp_path):
@@ -71,7 +80,8 @@ def test_corpus_loads_hand_made_and_recorded_requests(tmp_path):
     assert corpus[0].direct and not corpus[1].direct  # Ollama: kvproxy only
     assert corpus[1].request_kwargs()["headers"] == {"X-Session-Id": "s",
                                                      "Content-Type": "application/json"}
-    assert json.loads(corpus[1].request_kwargs()["data"])["options"] == {"num_predict": 8}
+    assert json.loads(corpus[1].request_kwargs()["data"])["options"] == \
+        {"num_predict": 8, "temperature": 0}
     assert not Entry("x", "GET", "/v1/x", expect={"direct": False}).direct
 
 
