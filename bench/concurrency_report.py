@@ -82,9 +82,9 @@ NOTES = [
     "last byte of the last turn, think times included; generated tokens per second is every "
     "token generated divided by that wall time.",
     "'minimum' counts, per turn, the prompt tokens (chat template plus tokenizer, as "
-    "llama-server does) that are not a prefix of a sequence (prompt plus reply) finished "
-    "before the turn was sent, and at least one. kvproxy's system-prompt snapshots are counted "
-    "as computed too.",
+    "llama-server does) beyond the longest prefix it shares with a prompt computed before its "
+    "first token came or a reply finished by then (any conversation's), and at least one. "
+    "kvproxy's system-prompt snapshots are counted as computed too.",
     "'ran in another conversation's cache': a turn reused more tokens than its prompt shares "
     "with anything computed in the run (reuse), computed plus reused differs from its "
     "prompt's length (length), or kvproxy's X-KVProxy-Session header changed within a "
@@ -152,35 +152,38 @@ def plot(conc: dict, path: Path) -> None:
         ax.legend(fontsize=8)
 
         ax = row[1]
-        xs = range(len(modes))
+        xs = list(range(len(modes)))
         summaries = [group["summaries"][m] for m in modes]
-        width = 0.27
-        for offset, key, name in ((-width, "ttft_later_p50_s", "p50 time to first token"),
-                                  (0, "ttft_later_p95_s", "p95 time to first token")):
-            ax.bar([x + offset for x in xs], [s[key] or 0 for s in summaries], width, label=name)
+        colors = [COLORS[m] for m in modes]
+        ax.bar([x - 0.2 for x in xs], [s["ttft_later_p50_s"] or 0 for s in summaries], 0.4,
+               color=colors, alpha=0.45, label="p50 time to first token")
+        ax.bar([x + 0.2 for x in xs], [s["ttft_later_p95_s"] or 0 for s in summaries], 0.4,
+               color=colors, label="p95 time to first token")
         ax2 = ax.twinx()
-        ax2.bar([x + width for x in xs], [s["wall_seconds"] for s in summaries], width,
-                color="tab:gray", label="wall time")
-        ax.set_xticks(list(xs))
+        ax2.plot(xs, [s["wall_seconds"] for s in summaries], "kD", ms=8, label="wall time")
+        ax2.set_ylim(0, max(s["wall_seconds"] for s in summaries) * 1.25)
+        ax.set_xticks(xs)
         ax.set_xticklabels([label(m) for m in modes], fontsize=8)
-        ax.set_ylabel("s (time to first token)")
-        ax2.set_ylabel("s (wall time, grey)")
-        ax.legend(fontsize=8, loc="upper left")
+        ax.set_ylabel("s, time to first token (light p50, dark p95)")
+        ax2.set_ylabel("s, wall time (black diamonds)")
         ax.set_title(f"{group['users']} users: latency and wall time")
 
         ax = row[2]
-        ax.bar([x - 0.2 for x in xs], [s["computed_tokens"] for s in summaries], 0.4,
-               label="prompt tokens computed", color=[COLORS[m] for m in modes])
+        ax.bar([x - 0.2 for x in xs], [s["computed_tokens"] for s in summaries], 0.4, color=colors)
         ax.bar([x + 0.2 for x in xs], [s["minimum_tokens"] for s in summaries], 0.4,
-               label="minimum", color="lightgray")
+               color="lightgray", label="minimum")
+        top = max(max(s["computed_tokens"], s["minimum_tokens"]) for s in summaries)
         for x, s in zip(xs, summaries):
-            ax.annotate(("cross-talk!" if s["crosstalk_turns"] else "no cross-talk")
-                        + f"\n{s['generated_per_s'] or 0:.1f} gen tok/s",
+            ratio = s["computed_over_minimum"]
+            ax.annotate(("CROSS-TALK" if s["crosstalk_turns"] else "no cross-talk")
+                        + (f"\n{ratio:.2f}x the minimum" if ratio else "")
+                        + f"\n{s['generated_per_s'] or 0:.1f} generated tok/s",
                         (x, max(s["computed_tokens"], s["minimum_tokens"])), ha="center",
                         fontsize=7, textcoords="offset points", xytext=(0, 3))
-        ax.set_xticks(list(xs))
+        ax.set_ylim(0, top * 1.3)
+        ax.set_xticks(xs)
         ax.set_xticklabels([label(m) for m in modes], fontsize=8)
-        ax.legend(fontsize=8)
+        ax.set_ylabel("prompt tokens: computed (colour), minimum (grey)", fontsize=8)
         ax.set_title(f"{group['users']} users: prompt tokens")
     rows = (conc.get("batched") or {}).get("rows") or []
     batch_text = ", ".join(f"{r['pl']}: {r['speed_tg']:.0f}" for r in rows)

@@ -34,17 +34,33 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def minimum_new_tokens(turns: list[dict]) -> list[int]:
     """Per turn, what a perfect prefix cache that never loses anything would compute.
 
-    A turn can reuse the longest prefix it shares with any sequence (prompt plus
-    reply) finished before it was sent, whichever conversation it belongs to;
-    the rest must be computed, and llama-server always evaluates at least one token.
+    By the time a turn's first token came, a perfect cache held every prompt whose own
+    first token had come by then and every reply finished by then, whichever
+    conversation they belong to. The turn reuses the longest prefix it shares with
+    one of them; the rest must be computed, and llama-server always evaluates at least
+    one token.
     """
     out = []
     for turn in turns:
-        done = [t["history"] for t in turns
-                if t is not turn and t.get("history") and t["finished_s"] <= turn["sent_s"]]
-        shared = max((common_prefix(turn["tokens"], s) for s in done), default=0)
+        by = _ready(turn)
+        sources = []
+        for other in turns:
+            if other is turn:
+                continue
+            if _ready(other) <= by:
+                sources.append(other["tokens"])
+            if other.get("history") and other["finished_s"] <= by:
+                sources.append(other["history"])
+        shared = max((common_prefix(turn["tokens"], s) for s in sources), default=0)
         out.append(max(1, len(turn["tokens"]) - shared))
     return out
+
+
+def _ready(turn: dict) -> float:
+    """When the turn's prompt was computed: its first token, else its end."""
+    if turn.get("ttft_s") is None:
+        return turn["finished_s"]
+    return turn["sent_s"] + turn["ttft_s"]
 
 
 def reuse_limit(turn: dict, turns: list[dict]) -> int:
