@@ -75,13 +75,14 @@ def fits(system_high: int, turns: int, max_tokens: int, slot_ctx: int) -> bool:
 
 
 def llama_options(direct: bool, slots: int, slot_ctx: int,
-                  accepts_slots: bool | None = None) -> dict:
+                  accepts_slots: bool | None = None, proxy_cache_ram: int | None = None) -> dict:
     """LlamaServer keyword arguments for a mode.
 
     Straight llama-server keeps its own defaults for slot choice and RAM cache. Behind
     kvproxy, llama-server is started the way kvproxy starts it: ``LlamaServer(slots=N)``
     where that exists, else the same flags by hand (the last ``-np`` on the command
-    line wins).
+    line wins). ``proxy_cache_ram`` (MiB) replaces LlamaServer's default ``--cache-ram``
+    behind kvproxy.
     """
     if accepts_slots is None:
         accepts_slots = "slots" in inspect.signature(LlamaServer).parameters
@@ -90,7 +91,10 @@ def llama_options(direct: bool, slots: int, slot_ctx: int,
         options["cache_ram_mib"] = LLAMA_DEFAULT_CACHE_RAM_MIB
         options["extra_args"] = ["-np", str(slots), "--slot-prompt-similarity",
                                  LLAMA_DEFAULT_SIMILARITY]
-    elif accepts_slots:
+        return options
+    if proxy_cache_ram is not None:
+        options["cache_ram_mib"] = proxy_cache_ram
+    if accepts_slots:
         options["slots"] = slots
     else:
         options["extra_args"] = ["-np", str(slots), "--slot-prompt-similarity", "0"]
@@ -106,11 +110,16 @@ def mode_plan(slots: int) -> dict[str, tuple[str, bool, int]]:
     }
 
 
-def make_mode(key: str, slots: int, slot_ctx: int, workdir: Path) -> Mode:
+def make_mode(key: str, slots: int, slot_ctx: int, workdir: Path,
+              proxy_cache_ram: int | None = None) -> Mode:
     label, proxied, n = mode_plan(slots)[key]
     return Mode(key, label, workdir, None, proxied,
-                llama_options=llama_options(not proxied, n, slot_ctx),
-                proxy_env={"KVPROXY_SLOTS": str(n)} if proxied else None)
+                llama_options=llama_options(not proxied, n, slot_ctx,
+                                            proxy_cache_ram=proxy_cache_ram),
+                # Straight llama-server queues a request without a bound: so may kvproxy
+                # here (a 503 would end that user's conversation).
+                proxy_env={"KVPROXY_SLOTS": str(n), "KVPROXY_LOCK_TIMEOUT": "3600"}
+                if proxied else None)
 
 
 class Recorder:
@@ -286,7 +295,8 @@ def run_scenario(settings: dict, work: Path, log, record: dict) -> None:
         record["groups"].append(group)
         people: list[User] | None = None
         for key in settings["modes"]:
-            mode = make_mode(key, slots, settings["slot_ctx"], work / f"{users}u-{key}")
+            mode = make_mode(key, slots, settings["slot_ctx"], work / f"{users}u-{key}",
+                             settings.get("proxy_cache_ram"))
             log(f"\n== {users} users, {mode.label}")
             try:
                 start_s = mode.start()

@@ -81,6 +81,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "slot), c (kvproxy, N slots); default a,b,c")
     c.add_argument("--batched", help="llama-batched-bench prompt,generated,parallel... "
                    "(default 512,64,1,2,4)")
+    c.add_argument("--proxy-cache-ram", type=int, help="llama-server --cache-ram (MiB) behind "
+                   "kvproxy in (b) and (c); default: what kvproxy's LlamaServer starts with")
     c.add_argument("--conc-budget", type=float, default=1800,
                    help="seconds one mode may take with one group before its users stop")
     p.add_argument("--modes", help="comma list of a, b, c (default: a,b,c; quick: a,b)")
@@ -170,6 +172,7 @@ def concurrency_settings(args: argparse.Namespace) -> dict:
             "system_tokens": system, "turns": args.conc_turns,
             "max_tokens": args.conc_max_tokens, "think": think, "modes": modes,
             "batched": (batch[0], batch[1], batch[2:]), "budget_s": args.conc_budget,
+            "proxy_cache_ram": args.proxy_cache_ram,
             "read_timeout": args.read_timeout, "overhead_requests": args.overhead_requests,
             "skip": sorted(args.skip_set)}
 

@@ -160,6 +160,9 @@ def test_mode_options_pin_behind_kvproxy_and_keep_llama_defaults_straight():
         {"ctx_size": 16384, "slots": 4}
     assert concurrency.llama_options(False, 1, 4096, accepts_slots=False) == \
         {"ctx_size": 4096, "extra_args": ["-np", "1", "--slot-prompt-similarity", "0"]}
+    assert concurrency.llama_options(False, 4, 4096, accepts_slots=True, proxy_cache_ram=0) == \
+        {"ctx_size": 16384, "slots": 4, "cache_ram_mib": 0}
+    assert concurrency.llama_options(True, 4, 4096, proxy_cache_ram=0)["cache_ram_mib"] == 8192
 
 
 def test_shown_command_keeps_the_last_of_a_repeated_flag_and_hides_paths():
