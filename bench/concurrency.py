@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import random
 import threading
 import time
@@ -27,6 +28,7 @@ import requests
 
 from kvproxy.processes import LlamaServer
 
+from . import batched, micro
 from . import concurrency_stats as stats
 from .client import stream_chat, templated_tokens, tokenize
 from .procs import Mode
@@ -224,7 +226,7 @@ def account(recorder: Recorder, users: list[User], llama_url: str) -> None:
 
 def base_snapshot_tokens(slot_dir: Path) -> int:
     """Prompt tokens kvproxy computed for system-prompt snapshots, outside request timings."""
-    from .run import sidecars
+    from .run import sidecars   # run.py imports this module
     return sum(int(s.get("prefill_computed") or 0) for s in sidecars(slot_dir)
                if s.get("kind") == "base")
 
@@ -268,7 +270,6 @@ def _fmt(value: float | None) -> str:
 
 def recorded_overhead(results_dir: Path) -> dict | None:
     """The no-swap overhead of the last full main benchmark, for comparison."""
-    import json
     try:
         run = json.loads((results_dir / "latest.json").read_text())
         ov = run["sections"]["overhead"]
@@ -281,9 +282,8 @@ def recorded_overhead(results_dir: Path) -> dict | None:
 
 def run_scenario(settings: dict, work: Path, log, record: dict) -> None:
     """Every group of users against every mode; fills ``record`` as it goes, so an
-    interruption keeps what was measured."""
-    from . import batched, micro
-    from .run import scrape_metrics
+    interruption keeps what was measured. A mode that fails is recorded and skipped."""
+    from .run import scrape_metrics   # run.py imports this module
     slots, skip = settings["slots"], settings["skip"]
     plan = mode_plan(slots)
     record.update(groups=[], overhead={}, mode_labels={k: plan[k][0] for k in settings["modes"]},
@@ -326,6 +326,9 @@ def run_scenario(settings: dict, work: Path, log, record: dict) -> None:
                                        "start_seconds": round(start_s, 2)}
                 group["results"][key] = result
                 group["summaries"][key] = result["summary"]
+            except (OSError, RuntimeError, ValueError, requests.RequestException) as exc:
+                log(f"  [{key}/{users}u] failed: {exc!r}; see {mode.workdir} with --keep")
+                group.setdefault("failed", {})[key] = repr(exc)[:500]
             finally:
                 mode.stop()
 

@@ -35,7 +35,9 @@ def group_table(group: dict) -> str:
         row("kvproxy cache header (turns)", lambda s: ", ".join(
             f"{k} {n}" for k, n in sorted(s["cache_headers"].items())) if "-" not in
             s["cache_headers"] else "-")
-    return _table(["", *[group["modes"][m]["label"] for m in modes]], rows)
+    table = _table(["", *[group["modes"][m]["label"] for m in modes]], rows)
+    failed = [f"{key}: {error}" for key, error in (group.get("failed") or {}).items()]
+    return table + ("\n\nFailed modes: " + "; ".join(failed) if failed else "")
 
 
 def overhead_table(conc: dict) -> str:

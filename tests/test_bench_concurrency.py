@@ -194,3 +194,33 @@ def test_batched_bench_lines_are_parsed_with_the_speedup():
     assert rows[1]["tg_speedup"] == pytest.approx(122.1 / 74.0)
     assert "| 4 | 377 | 122.1 | 1.65x |" in batched.table({"rows": rows})
     assert "not shipped" in batched.table({"error": "not shipped", "rows": []})
+
+
+def test_report_renders_tables_plot_and_readme_section(tmp_path):
+    from bench import concurrency_report
+
+    turns = [turn("U1", 0, 0.0, 2.0, A1, reply=[20, 21], ttft=1.0, session="s1"),
+             turn("U1", 1, 2.5, 3.0, A2, cache_n=8, ttft=0.2, session="s1")]
+    for t, minimum in zip(turns, stats.minimum_new_tokens(turns)):
+        t["min_new_tokens"] = minimum
+    s = stats.summarize(turns, 3.0, sum(t["min_new_tokens"] for t in turns))
+    group = {"users": 1, "modes": {"c": {"label": "(c) kvproxy, 1 slots", "proxied": True}},
+             "summaries": {"c": s}, "results": {"c": {"turns": turns}},
+             "failed": {"a": "RuntimeError('llama-server did not start')"}}
+    conc = {"command": "python -m bench.run --scenario concurrency", "started_at": "now",
+            "duration_seconds": 9.0, "machine": {"cores": 2, "cpu": "cpu", "ram_gib": 1},
+            "settings": {"users": [1], "slots": 1, "slot_ctx": 1024, "system_tokens": [10, 20],
+                         "turns": 2, "max_tokens": 8, "think": [0.1, 0.2]},
+            "groups": [group], "mode_labels": {"c": "(c) kvproxy, 1 slots"},
+            "mode_commands": {"c": "llama-server -np 1"},
+            "batched": {"command": "llama-batched-bench", "rows": batched.parse(json.dumps(
+                {"pl": 1, "pp": 8, "tg": 4, "speed_pp": 10.0, "speed_tg": 5.0}))}}
+    conc["targets"] = stats.targets(conc["groups"], 1)
+    text = concurrency_report.text_report(conc)
+    assert "| computed / minimum | 1.00x |" in text
+    assert "Failed modes: a: RuntimeError" in text
+    assert "| 1 | 10 | 5.0 | 1.00x |" in text
+    section = concurrency_report.readme_section(conc, "bench/results/x.png")
+    assert section.startswith(concurrency_report.START) and section.endswith(concurrency_report.END)
+    concurrency_report.plot(conc, tmp_path / "x.png")
+    assert (tmp_path / "x.png").stat().st_size > 1000
