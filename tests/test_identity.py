@@ -68,6 +68,16 @@ def test_other_user_ids_are_used_as_they_are(user_id):
     assert resolve(body={"metadata": {"user_id": user_id}}).id == user_id
 
 
+def test_only_metadata_user_id_is_read_as_claude_codes_json():
+    """Other fields holding the same JSON are ids as they are; numbers and a missing
+    ``metadata`` go on as before."""
+    as_it_is = identity.normalise_id(CLAUDE_USER_ID)
+    assert resolve(body={"prompt_cache_key": CLAUDE_USER_ID}).id == as_it_is
+    assert resolve(body={"metadata": {"user_id": 42}}).id == "42"
+    assert resolve(body={"metadata": {}}).id == resolve(body={}).id
+    assert resolve(body={}).source == "conversation-hash"
+
+
 def test_an_id_that_does_not_look_like_a_chat_is_ignored():
     session = resolve(body={"id": "hello world"})
     assert session.source == "conversation-hash"
