@@ -68,6 +68,16 @@ def test_other_user_ids_are_used_as_they_are(user_id):
     assert resolve(body={"metadata": {"user_id": user_id}}).id == user_id
 
 
+def test_only_metadata_user_id_is_read_as_claude_codes_json():
+    """Other fields holding the same JSON are ids as they are; numbers and a missing
+    ``metadata`` go on as before."""
+    as_it_is = identity.normalise_id(CLAUDE_USER_ID)
+    assert resolve(body={"prompt_cache_key": CLAUDE_USER_ID}).id == as_it_is
+    assert resolve(body={"metadata": {"user_id": 42}}).id == "42"
+    assert resolve(body={"metadata": {}}).id == resolve(body={}).id
+    assert resolve(body={}).source == "conversation-hash"
+
+
 def test_an_id_that_does_not_look_like_a_chat_is_ignored():
     session = resolve(body={"id": "hello world"})
     assert session.source == "conversation-hash"
@@ -201,3 +211,45 @@ def test_conversation_ids_stay_the_same_across_versions():
     """An id-less conversation finds its file again after an upgrade."""
     messages = SYSTEM + [{"role": "user", "content": "hi"}]
     assert resolve(messages=messages).id == "conv-11cfbddde3f23bfb"
+
+
+def test_a_client_id_without_a_system_prompt_keeps_its_plain_key():
+    """The key (and so the file name) of a client's session with no system prompt is the id
+    alone, as before system prompts were part of keys: its saved file is found again."""
+    session = resolve(headers={"X-Session-Id": "abc"}, messages=[{"role": "user", "content": "hi"}])
+    assert (session.key, session.system_hash) == ("client:abc", None)
+    assert session.stem == "client_abc-495628811944694d"
+    assert resolve(messages=[{"role": "user", "content": "hi"}]).system_hash is None, \
+        "no system prompt: nothing to make a base snapshot of"
+
+
+@pytest.mark.parametrize("messages", [None, 5, "system", {"role": "system", "content": "x"}])
+def test_messages_that_are_not_a_list_name_no_conversation(messages):
+    """A malformed body is the API's to refuse; working out its session must not crash."""
+    assert identity.system_prompt(messages) == identity.first_user_message(messages) == ""
+
+
+@pytest.mark.parametrize("key,kind", [
+    (None, "none"), ("", "none"), (identity.client_key("conv-1", "abc"), "client"),
+    ("conv-0123", "conversation"), ("sys-0123", "system"), ("default", "default"),
+    ("side", "side"), ("base.0123", "other"), ("alice@example.com", "other"),
+])
+def test_metric_labels_name_the_kind_of_session_never_the_id(key, kind):
+    assert identity.kind_of_key(key) == kind
+
+
+@pytest.mark.parametrize("raw,shown", [
+    ("a\uffffb", "a\\uffffb"),                  # a noncharacter at the top of the BMP
+    ("a\U000f0000b", "a\\U000f0000b"),          # private use beyond the BMP: eight digits
+    ("a\U00010000b", "a\U00010000b"),           # a letter beyond the BMP stays as it is
+])
+def test_invisible_characters_are_escaped_by_their_code_point(raw, shown):
+    assert identity.normalise_id(raw) == shown
+
+
+def test_ids_up_to_the_bound_are_kept_and_longer_ones_keep_their_start_and_a_hash():
+    at_bound = "x" * identity.MAX_ID_CHARS
+    assert identity.normalise_id(at_bound) == at_bound
+    longer = identity.normalise_id(at_bound + "y")
+    start, digest = longer.split("~")
+    assert start == "x" * 64 and re.fullmatch(r"[0-9a-f]{16}", digest)

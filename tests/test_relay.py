@@ -3,12 +3,18 @@ switch: side calls, identity of streamed requests, failures that must free the s
 the cached model facts."""
 import json
 import logging
+import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 import requests
 import responses
 
 from kvproxy import create_app
+from kvproxy.identity import Session
+from kvproxy.relay import Answer, ChatCall, Prompt, timings_from_usage
+from kvproxy.switch import ClientGone
 from tests.fake_llama import UPSTREAM, FakeLlama
 
 CHAT = f"{UPSTREAM}/v1/chat/completions"
@@ -113,3 +119,141 @@ def test_a_call_marked_side_is_never_saved(tmp_path, fake):
     relay = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM}).extensions["kvproxy.relay"]
     session = relay.session_for(ChatCall(body={"messages": []}, side=True), stream=True)
     assert (session.id, session.source, session.persistent) == ("side", "side-request", False)
+
+
+# -- what a whole answer without timings tells the switch -------------------------------
+@pytest.mark.parametrize("result,timings", [
+    ({"usage": {"input_tokens": 12, "output_tokens": 3,
+                "input_tokens_details": {"cached_tokens": 8}}},
+     {"cache_n": 8, "prompt_n": 4, "predicted_n": 3}),
+    ({"usage": {"input_tokens": 12}}, {"cache_n": 0, "prompt_n": 12, "predicted_n": 0}),
+    ({"usage": {"input_tokens": 12, "input_tokens_details": {}}},
+     {"cache_n": 0, "prompt_n": 12, "predicted_n": 0}),
+    ({"usage": {"input_tokens": 12, "input_tokens_details": ["odd"]}},
+     {"cache_n": 0, "prompt_n": 12, "predicted_n": 0}),
+    ({"usage": {"input_tokens": 0, "output_tokens": 0}}, {"cache_n": 0, "prompt_n": 0, "predicted_n": 0}),
+    ({"usage": {"input_tokens": 5, "input_tokens_details": {"cached_tokens": 5}}},
+     {"cache_n": 5, "prompt_n": 0, "predicted_n": 0}),
+    ({"usage": {"output_tokens": 3}}, {}),     # no prompt count: nothing to record
+    ({"choices": []}, {}),
+    (["not", "an", "object"], {}),
+    (None, {}),
+])
+def test_a_responses_api_answer_counts_its_tokens_from_its_usage(result, timings):
+    """llama-server's whole Responses API answer carries ``usage`` instead of ``timings``."""
+    assert timings_from_usage(result) == timings
+    lease = SimpleNamespace(headers=lambda: {})
+    assert Answer(None, lease, result).timings == timings
+
+
+# -- the prompt as the switch sees it (base snapshots, restore checks) ------------------
+class TemplatingClient:
+    """llama-server's /apply-template and /tokenize in miniature: ChatML, one token per
+    character, 1 for the start token, and one token for "\n<" (so token boundaries can
+    differ where the system prompt alone ends)."""
+
+    def __init__(self):
+        self.templated, self.tokenized = [], []
+
+    def apply_template(self, body):
+        self.templated.append(body)
+        text = "".join(f"<|{m['role']}|>{m['content']}\n" for m in body["messages"])
+        return text + ("<|assistant|>" if body["add_generation_prompt"] is True else "")
+
+    def tokenize(self, text, add_special=False):
+        self.tokenized.append((text, add_special))
+        tokens, i = ([1] if add_special is True else []), 0
+        while i < len(text):
+            if text.startswith("\n<", i):
+                tokens.append(2)
+                i += 2
+            else:
+                tokens.append(ord(text[i]))
+                i += 1
+        return tokens
+
+
+SYSTEM_TURN = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+
+
+def prompt_of(body):
+    client = TemplatingClient()
+    return Prompt(client, ChatCall(body=body)), client
+
+
+def test_the_prompt_is_templated_for_an_answer_and_tokenized_with_its_start_token():
+    prompt, client = prompt_of({"messages": SYSTEM_TURN, "stream": True, "max_tokens": 9,
+                                "temperature": 0.1, "tools": [{"type": "function"}],
+                                "tool_choice": "auto", "chat_template_kwargs": {"x": 1},
+                                "reasoning_format": "none"})
+    assert prompt.templated() == "<|system|>Be brief.\n<|user|>hi\n<|assistant|>"
+    assert prompt.tokens()[0] == 1
+    assert client.templated == [{"messages": SYSTEM_TURN, "add_generation_prompt": True,
+                                 "tools": [{"type": "function"}], "tool_choice": "auto",
+                                 "chat_template_kwargs": {"x": 1}, "reasoning_format": "none"}], \
+        "only what changes the template is sent with the messages"
+    prompt.tokens()
+    assert len(client.templated) == len(client.tokenized) == 1, "worked out once"
+
+
+@pytest.mark.parametrize("body,text", [({"prompt": "Once upon"}, "Once upon"),
+                                       ({"prompt": [1, 2, 3]}, ""), ({}, "")])
+def test_a_completion_prompt_is_its_own_text(body, text):
+    prompt, client = prompt_of(body)
+    assert prompt.templated() == text and client.templated == []
+
+
+@pytest.mark.parametrize("role", ["system", "developer"])
+def test_the_system_tokens_are_the_leading_tokens_of_the_system_prompt_alone(role):
+    messages = [{"role": role, "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    prompt, client = prompt_of({"messages": messages})
+    head = prompt.system_tokens()
+    # "\n<" is one token in the full prompt: the system part's last "\n" is not shared
+    assert head == [1] + [ord(c) for c in f"<|{role}|>Be brief."]
+    assert head == prompt.tokens()[:len(head)]
+    assert client.templated[0] == {"messages": messages[:1], "add_generation_prompt": False}
+
+
+def test_a_system_prompt_exactly_at_the_minimum_still_gets_its_tokens():
+    prompt, _ = prompt_of({"messages": SYSTEM_TURN})
+    size = len(json.dumps(["Be brief."]))
+    assert prompt.system_tokens(size) is not None
+    assert prompt.system_tokens(size + 1) is None
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "system", "content": "Be brief."}],                 # nothing after it
+    [{"role": "user", "content": "hi"}],                          # no system prompt
+    [{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}],
+])
+def test_no_system_tokens_without_a_leading_system_prompt_and_a_turn_after_it(messages):
+    prompt, client = prompt_of({"messages": messages})
+    assert prompt.system_tokens() is None and client.templated == []
+
+
+# -- a client that left while waiting for the slot ---------------------------------------
+def test_a_request_whose_client_left_while_waiting_costs_no_swap(tmp_path, fake):
+    relay = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM, "lock_timeout": 10,
+                        "base_snapshots": False}).extensions["kvproxy.relay"]
+    held = relay.switch.acquire(Session("holder", "test"))
+    outcome = []
+
+    def late():
+        call = ChatCall(body={"messages": [{"role": "user", "content": "hi"}]},
+                        headers={"X-Session-Id": "late"}, still_wanted=lambda: False)
+        try:
+            outcome.append(relay.complete(call))
+        except ClientGone as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=late)
+    thread.start()
+    deadline = time.monotonic() + 5
+    while relay.switch.lock.waiting != 1:
+        assert time.monotonic() < deadline, "the request never waited"
+        time.sleep(0.01)
+    actions = list(fake.actions)
+    relay.switch.release(held)
+    thread.join(5)
+    assert isinstance(outcome[0], ClientGone)
+    assert fake.actions == actions, "no save, restore or erase for a client that left"

@@ -111,6 +111,20 @@ def test_a_stream_past_the_shutdown_grace_ends_with_an_error_event(app_and_fake,
     relay.begin_shutdown(0)
     reply = client.post(path, json=body)
     kind, message = last_error(api, reply.get_data(as_text=True))
-    assert "shutting down" in message
+    assert "kvproxy is shutting down: the answer was cut short; send the request again" in message
     assert kind in ("ollama", 503, "overloaded_error")
     assert slot_is_free(app)
+
+
+def test_the_shutdown_grace_starts_once_and_ends_at_its_deadline(monkeypatch):
+    """Streams may run ``grace`` seconds after SIGTERM, from the first signal on."""
+    clock = [100.0]
+    monkeypatch.setattr(relay, "_stop_at", [])
+    monkeypatch.setattr(relay, "time", type("Clock", (), {"monotonic": lambda: clock[0]}))
+    assert not relay.past_shutdown_grace()
+    relay.begin_shutdown(30)
+    relay.begin_shutdown(0)                     # a second signal does not shorten the grace
+    clock[0] = 129.9
+    assert not relay.past_shutdown_grace()
+    clock[0] = 130.0
+    assert relay.past_shutdown_grace()
