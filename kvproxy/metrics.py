@@ -31,6 +31,12 @@ REQUEST_SECONDS = Histogram("kvproxy_request_seconds",
                             registry=REGISTRY)
 SWAPS = Counter("kvproxy_swaps_total", "Slot actions by kind (save, restore, erase, base, none)",
                 ["kind"], registry=REGISTRY)
+SLOT_SWAPS = Counter("kvproxy_slot_swaps_total",
+                     "Swaps by slot and outcome: none (the slot held the session), save (of the "
+                     "session it held), restored, base, miss", ["slot", "kind"], registry=REGISTRY)
+SLOT_BUSY_SECONDS = Counter("kvproxy_slot_busy_seconds_total",
+                            "Seconds each slot was leased to a request (swap and answer)",
+                            ["slot"], registry=REGISTRY)
 SWAP_SECONDS = Histogram("kvproxy_swap_seconds", "Duration of slot actions by kind", ["kind"],
                          buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
                          registry=REGISTRY)

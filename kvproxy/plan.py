@@ -70,3 +70,26 @@ def fingerprint(props: dict, models: dict) -> dict:
 
 def fingerprint_key(made_by: dict) -> str:
     return "|".join(f"{k}={made_by.get(k)}" for k in sorted(made_by))
+
+
+# The slot size is not part of what makes a file restorable: llama-server splits -c between
+# its slots, and a file restores into any slot it fits (checked against the slot's n_ctx).
+SLOT_SIZE_FIELDS = ("n_ctx",)
+
+
+def same_maker(saved: dict | None, running: dict) -> bool:
+    """Whether a file made by ``saved`` may be restored into ``running`` (all but slot size)."""
+    if not isinstance(saved, dict):
+        return False
+    return all(saved.get(k) == running.get(k) for k in set(saved) | set(running)
+               if k not in SLOT_SIZE_FIELDS)
+
+
+def too_big(n_tokens: object, slot_n_ctx: int | None) -> str | None:
+    """Why a file of ``n_tokens`` cannot be restored into a slot of ``slot_n_ctx``, or None.
+    llama-server answers such a restore with an error and leaves the slot wiped."""
+    if not isinstance(n_tokens, int) or not slot_n_ctx:
+        return None
+    if n_tokens > slot_n_ctx:
+        return f"it holds {n_tokens} tokens, more than the {slot_n_ctx}-token context"
+    return None

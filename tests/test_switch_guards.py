@@ -2,6 +2,8 @@
 the save at shutdown, restart detection after an empty start, every part of the model
 fingerprint, the cross-process lock, the restore-miss streak, clear() on ``default``,
 and eviction as /metrics counts it."""
+import logging
+
 import pytest
 import responses
 from prometheus_client.parser import text_string_to_metric_families
@@ -73,6 +75,26 @@ def test_an_emptied_slot_that_started_empty_is_not_saved_over_the_session(tmp_pa
 
 
 # -- the model fingerprint ---------------------------------------------------------
+def test_a_file_restores_into_a_smaller_slot_only_when_it_fits(tmp_path, fake, caplog):
+    """-c is split between slots: the slot size is not part of the fingerprint, the file's
+    token count against the slot's n_ctx decides (llama-server would fail and wipe the slot)."""
+    switch = make_switch(tmp_path)
+    answer(switch, A, fake, 3000)
+    answer(switch, B, fake, 5000)
+    answer(switch, DEFAULT, fake, 10)  # B saved
+    fake.n_ctx = 4096                  # llama-server restarted with -np 2: 4096 tokens a slot
+    fake.props["default_generation_settings"]["n_ctx"] = 4096
+    fake.tokens = 0
+    switch = make_switch(tmp_path)
+    assert answer(switch, A, fake, 3001).cache == RESTORED, "3000 tokens fit a 4096-token slot"
+    with caplog.at_level(logging.WARNING, logger="kvproxy.switch"):
+        lease = answer(switch, B, fake, 20)
+    assert lease.cache == MISS and ("restore", f"{B.stem}.bin") not in fake.actions
+    refused = SessionStore(tmp_path).read_sidecar(B.stem)["refused"]
+    assert "5000 tokens" in refused and "4096" in refused
+    assert "5000 tokens, more than the 4096-token context of slot 0" in caplog.text
+
+
 def _change_model(fake, part: str) -> None:
     settings = fake.props["default_generation_settings"]
     meta = fake.models["data"][0]["meta"]
@@ -88,7 +110,7 @@ def _change_model(fake, part: str) -> None:
         meta["n_params"] += 1
 
 
-@pytest.mark.parametrize("part", ["model_path", "n_ctx", "build_info", "model_size", "n_params"])
+@pytest.mark.parametrize("part", ["model_path", "build_info", "model_size", "n_params"])
 def test_file_made_with_anything_else_is_refused(tmp_path, fake, part):
     switch = make_switch(tmp_path)
     answer(switch, A, fake, 100)
