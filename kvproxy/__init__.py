@@ -64,6 +64,7 @@ def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
         app.register_blueprint(blueprint)
     api = Api(app)
     api.register_blueprint(admin.blueprint)
+    api.register_blueprint(admin.slots_blueprint)
     body_limit.init_app(app)
     errors.init_app(app, api)
     metrics.init_app(app)

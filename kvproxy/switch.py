@@ -243,6 +243,13 @@ class SlotSwitch:
     def busy_since(self, slot: int) -> str | None:
         return self._busy_since.get(slot) if self.busy(slot) else None
 
+    def slot_listing(self) -> list[dict]:
+        """Every driven slot as the admin API lists it: from the state table and this
+        process's locks, without asking llama-server."""
+        table = self.store.read_table()
+        return [slot_row(slot, table.get(slot) or {}, self.busy(slot), self.busy_since(slot),
+                         self._n_ctx.get(slot)) for slot in self.slot_ids()]
+
     def current_made_by(self) -> dict:
         return fingerprint(self.client.props(), self.client.models())
 
@@ -620,6 +627,19 @@ class SlotSwitch:
         key = fingerprint_key(lease.made_by or self.current_made_by())
         if verify_restore(self.restore_check, self.store, lease, cache_n, key) == "not_honoured":
             metrics.RESTORE_MISSES.labels("not_honoured").inc()
+
+
+def slot_row(slot: int, entry: dict, busy: bool, busy_since: str | None,
+             n_ctx: int | None) -> dict:
+    """One slot's row: the session it holds, its tokens, busy or idle and since when."""
+    stem = entry.get("active_stem")
+    return {"id": slot, "session_id": entry.get("active") or DEFAULT_SESSION,
+            "persistent": bool(entry.get("active_persistent")),
+            "file": f"{stem}.bin" if stem else None,
+            "tokens": int(entry.get("slot_tokens") or 0), "n_ctx": n_ctx,
+            "busy": busy, "busy_since": busy_since,
+            "unproven": bool(entry.get("slot_unknown")),
+            "since": entry.get("updated_at"), "last_used_at": entry.get("used_at")}
 
 
 def incoming_stems(session: Session) -> set[str]:
