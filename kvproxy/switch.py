@@ -109,6 +109,9 @@ class SlotSwitch:
         self._uncertain: set[int] = set()
         self._n_ctx: dict[int, int] = {}  # per slot, from /slots
         self._busy_since: dict[int, str] = {}
+        # Per slot: a connection to llama-server that existed when kvproxy last recorded what
+        # the slot holds. Still open: llama-server did not restart since (see _slot_view).
+        self._witness: dict[int, Any] = {}
 
     # -- the slots ---------------------------------------------------------
     def slot_ids(self) -> list[int]:
@@ -285,6 +288,7 @@ class SlotSwitch:
                                 "slot_tokens": restored, "slot_unknown": False,
                                 "updated_at": now_iso(), "used_at": now_iso()}, slot)
         self._uncertain.discard(slot)
+        self._witness[slot] = self.client.witness()
         swap_ms = (time.monotonic() - started) * 1000
         log.info("swap to session=%s source=%s cache=%s slot=%s restored_tokens=%d swap_ms=%.1f "
                  "id_slot=%d", session.id, session.source, cache, view, restored, swap_ms, slot)
@@ -334,7 +338,7 @@ class SlotSwitch:
         if slot in self._uncertain or state.get("slot_unknown"):
             return UNKNOWN
         expected = int(state.get("slot_tokens") or 0)
-        if trust_connection and expected > 0 and self.client.same_server_as_last_slot_call():
+        if trust_connection and expected > 0 and self.client.still_open(self._witness.get(slot)):
             return OURS
         try:
             entry = self._slot_entry(slot)
@@ -593,6 +597,7 @@ class SlotSwitch:
         metrics.TOKENS.labels("computed").inc(prompt_n)
         self.activity.record(lease, timings)
         slot = lease.slot
+        self._witness[slot] = self.client.witness()
         if timings:  # what the slot now holds: compared with /slots before the next swap
             held = cache_n + prompt_n + predicted_n
         else:
