@@ -31,3 +31,39 @@ def test_several_slots_are_explicit_and_pinned_only_by_kvproxy(tmp_path, slots):
 def test_zero_slots_is_refused(tmp_path):
     with pytest.raises(ValueError):
         LlamaServer(str(tmp_path), model="m.gguf", slots=0)
+
+
+# -- make run: LLAMA_SLOTS, LLAMA_CTX, LLAMA_CACHE_RAM ------------------------------
+from kvproxy.serve import llama_layout  # noqa: E402
+
+
+def test_make_run_keeps_one_slot_and_its_ram_cache_by_default():
+    assert llama_layout({}) == (1, 8192, 16384)
+
+
+def test_make_run_with_several_slots_turns_the_ram_cache_off():
+    assert llama_layout({"LLAMA_SLOTS": "2"}) == (2, 8192, 0)
+    assert llama_layout({"LLAMA_SLOTS": "4", "LLAMA_CTX": "16384", "LLAMA_CACHE_RAM": "512"}) == \
+        (4, 16384, 512)
+
+
+@pytest.mark.parametrize("env", [{"LLAMA_SLOTS": "0"}, {"LLAMA_SLOTS": "two"},
+                                 {"LLAMA_CTX": "10"}, {"LLAMA_CACHE_RAM": "-1"}])
+def test_make_run_names_a_bad_layout_variable(env):
+    with pytest.raises(ValueError, match=f"^{next(iter(env))}="):
+        llama_layout(env)
+
+
+def test_make_run_refuses_a_bad_slot_count_before_starting_anything(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, "-m", "kvproxy.serve"], cwd=root, capture_output=True,
+                            text=True, timeout=60,
+                            env={**os.environ, "KVPROXY_SLOT_DIR": str(tmp_path / "slots"),
+                                 "KVPROXY_LOG_DIR": str(tmp_path / "log"), "LLAMA_SLOTS": "0"})
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("kvproxy: LLAMA_SLOTS='0' is invalid") and \
+        result.stderr.count("\n") == 1
