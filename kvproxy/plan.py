@@ -72,22 +72,13 @@ def fingerprint_key(made_by: dict) -> str:
     return "|".join(f"{k}={made_by.get(k)}" for k in sorted(made_by))
 
 
-# The slot size is not part of what makes a file restorable: llama-server splits -c between
-# its slots, and a file restores into any slot it fits (checked against the slot's n_ctx).
-SLOT_SIZE_FIELDS = ("n_ctx",)
-
-
-def same_maker(saved: dict | None, running: dict) -> bool:
-    """Whether a file made by ``saved`` may be restored into ``running`` (all but slot size)."""
-    if not isinstance(saved, dict):
-        return False
-    return all(saved.get(k) == running.get(k) for k in set(saved) | set(running)
-               if k not in SLOT_SIZE_FIELDS)
-
 
 def too_big(n_tokens: object, slot_n_ctx: int | None) -> str | None:
     """Why a file of ``n_tokens`` cannot be restored into a slot of ``slot_n_ctx``, or None.
-    llama-server answers such a restore with an error and leaves the slot wiped."""
+    llama-server answers such a restore with an error and leaves the slot wiped. (The
+    fingerprint's n_ctx already ties a file to one slot size: llama-server refused even a
+    210-token file saved with -np 1 -c 4096 in a -np 2 -c 4096 slot. This guards what /slots
+    shows of each slot against what /props reports.)"""
     if not isinstance(n_tokens, int) or not slot_n_ctx:
         return None
     if n_tokens > slot_n_ctx:

@@ -2,8 +2,8 @@
 
 A mixin of ``SlotSwitch``: every method takes the slot it acts on, which the
 caller holds (``SlotPool``). Saves go through ``disk.checked_save``; a file is
-restored only when its sidecar says this llama-server's model made it and it
-fits the slot's context (``-c`` is split between slots).
+restored only when its sidecar says this llama-server made it, with the same
+model, build and slot size (``-c`` split by ``-np``), and it fits the slot.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Protocol
 from . import disk, metrics
 from .identity import Session, base_stem
 from .llama import UpstreamError, UpstreamUnavailable
-from .plan import same_maker, too_big
+from .plan import too_big
 from .store import now_iso
 
 log = logging.getLogger("kvproxy.switch")
@@ -104,7 +104,7 @@ class SlotFiles:
                         stem, problem, disk.set_aside(self.store, stem, problem))
             metrics.RESTORE_MISSES.labels("bad_file").inc()
             return None
-        if not same_maker(sidecar.get("made_by"), made_by):
+        if sidecar.get("made_by") != made_by:
             reason = f"made by {sidecar.get('made_by')}, running {made_by}"
             log.warning("not restoring %s.bin: %s", stem, reason)
             self.store.update_sidecar(stem, {}, refused=reason, refused_at=now_iso())

@@ -203,3 +203,29 @@ def test_a_restart_of_both_processes_with_two_slots_loses_nothing(stack2):
         after = turn(url, name, history)
         assert after["session"] == name and after["cache"] == "restored", after
         assert after["cached"] >= grown[name]["prompt"], (name, grown[name], after)
+
+
+def test_files_from_another_slot_layout_are_refused_before_llama_server_fails_them(tmp_path):
+    """Saved with -np 1 -c 4096, then llama-server runs -np 2 -c 4096 (2048 a slot).
+    llama-server fails even a 210-token file from the old layout ("No available space in KV
+    cache or invalid slot save file") and wipes the slot, so the slot size stays part of a
+    file's fingerprint: both sessions start fresh without a failed restore, and the log and
+    their sidecars say why."""
+    stack = Stack(tmp_path, slots=1, llama_args=LLAMA, KVPROXY_BASE_SNAPSHOTS="false").start()
+    try:
+        short = [{"role": "system", "content": system(71)}, {"role": "user", "content": "Rule 1?"}]
+        turn(stack.url, "fit-short", short)
+        turn(stack.url, "fit-other", [{"role": "system", "content": system(72)},
+                                      {"role": "user", "content": "Rule 1?"}])
+        stack.stop()
+        stack.llama.slots = 2
+        stack.start()
+        short.append({"role": "user", "content": "Rule 2?"})
+        fresh = turn(stack.url, "fit-short", short)
+        assert fresh["session"] == "fit-short" and fresh["cache"] == "miss", fresh
+        refused = sidecar(stack.url, "fit-short")["refused"]
+        assert "'n_ctx': 4096" in refused and "'n_ctx': 2048" in refused, refused
+        log = stack.proxy_log()
+        assert "not restoring client_fit-short" in log and "restore of" not in log
+    finally:
+        stack.stop()

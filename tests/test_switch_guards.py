@@ -75,15 +75,14 @@ def test_an_emptied_slot_that_started_empty_is_not_saved_over_the_session(tmp_pa
 
 
 # -- the model fingerprint ---------------------------------------------------------
-def test_a_file_restores_into_a_smaller_slot_only_when_it_fits(tmp_path, fake, caplog):
-    """-c is split between slots: the slot size is not part of the fingerprint, the file's
-    token count against the slot's n_ctx decides (llama-server would fail and wipe the slot)."""
+def test_a_file_with_more_tokens_than_the_slot_is_never_restored(tmp_path, fake, caplog):
+    """The sidecar's token count against the slot's n_ctx from /slots (llama-server would
+    fail the restore and leave the slot wiped)."""
     switch = make_switch(tmp_path)
     answer(switch, A, fake, 3000)
     answer(switch, B, fake, 5000)
     answer(switch, DEFAULT, fake, 10)  # B saved
-    fake.n_ctx = 4096                  # llama-server restarted with -np 2: 4096 tokens a slot
-    fake.props["default_generation_settings"]["n_ctx"] = 4096
+    fake.n_ctx = 4096                  # /slots shows a smaller slot than /props reports
     fake.tokens = 0
     switch = make_switch(tmp_path)
     assert answer(switch, A, fake, 3001).cache == RESTORED, "3000 tokens fit a 4096-token slot"
@@ -110,7 +109,7 @@ def _change_model(fake, part: str) -> None:
         meta["n_params"] += 1
 
 
-@pytest.mark.parametrize("part", ["model_path", "build_info", "model_size", "n_params"])
+@pytest.mark.parametrize("part", ["model_path", "n_ctx", "build_info", "model_size", "n_params"])
 def test_file_made_with_anything_else_is_refused(tmp_path, fake, part):
     switch = make_switch(tmp_path)
     answer(switch, A, fake, 100)
