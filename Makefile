@@ -12,7 +12,7 @@ BUILD_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 CLAUDE_CODE_VERSION := 2.1.332
 NPM_DIR := var/npm
 
-.PHONY: setup run test test-unit test-deploy nginx mutate bench soak clean claude-cli
+.PHONY: setup run test test-unit test-deploy nginx mutate bench bench-concurrency soak clean claude-cli
 setup: $(VENV)/.requirements $(VENV)/.llama-server $(VENV)/.model
 
 $(VENV)/bin/python:
@@ -95,6 +95,11 @@ mutate: $(VENV)/.requirements
 
 bench: setup
 	$(BIN)/python -m bench.run
+
+# Only the concurrency scenario (several users at once; about 15 minutes), BENCH_ARGS=--quick
+# for a smoke run of a few minutes.
+bench-concurrency: setup
+	$(BIN)/python -m bench.run --scenario concurrency $(BENCH_ARGS)
 
 # Minutes of load against the real llama-server; not part of `make test` (a short one is).
 soak: setup

@@ -69,16 +69,21 @@ class Mode:
     """One side of the comparison: its own llama-server, its own slot folder, maybe a proxy."""
 
     def __init__(self, key: str, label: str, workdir: Path, cache_ram_mib: int | None,
-                 proxied: bool, ctx_size: int = 8192):
+                 proxied: bool, ctx_size: int = 8192, llama_options: dict | None = None,
+                 proxy_env: dict[str, str] | None = None):
+        """``llama_options`` (LlamaServer keyword arguments) replace ``cache_ram_mib`` and
+        ``ctx_size`` when given; ``proxy_env`` is added to kvproxy's environment."""
         self.key = key
         self.label = label
         self.workdir = workdir
         self.slot_dir = workdir / "slots"
         self.slot_dir.mkdir(parents=True, exist_ok=True)
-        self.llama = LlamaServer(str(self.slot_dir), cache_ram_mib=cache_ram_mib, ctx_size=ctx_size,
-                                 log_path=str(workdir / "llama-server.log"))
-        self.proxy = Proxy(self.llama.url, str(self.slot_dir), str(workdir / "proxy.log")) \
-            if proxied else None
+        options = llama_options if llama_options is not None else \
+            {"cache_ram_mib": cache_ram_mib, "ctx_size": ctx_size}
+        self.llama = LlamaServer(str(self.slot_dir), log_path=str(workdir / "llama-server.log"),
+                                 **options)
+        self.proxy = Proxy(self.llama.url, str(self.slot_dir), str(workdir / "proxy.log"),
+                           env=proxy_env) if proxied else None
 
     @property
     def llama_url(self) -> str:

@@ -310,16 +310,17 @@ def readme_section(run: dict, png: str) -> str:
     ])
 
 
-def update_readme(path: Path, section: str) -> bool:
+def update_readme(path: Path, section: str, start_marker: str = START,
+                  end_marker: str = END) -> bool:
     """Replace the text between the markers (markers included); False when they are missing."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return False
-    start, end = text.find(START), text.find(END)
+    start, end = text.find(start_marker), text.find(end_marker)
     if start < 0 or end < start:
         return False
-    new = text[:start] + section + text[end + len(END):]
+    new = text[:start] + section + text[end + len(end_marker):]
     tmp = path.with_name(path.name + ".bench.tmp")
     tmp.write_text(new, encoding="utf-8")
     os.replace(tmp, path)

@@ -9,6 +9,12 @@ Then, on the (b) stack: proxy overhead without a swap, streaming relay, worker
 memory; on a bare llama-server: slot save/restore speed by file size.
 Writes bench/results/<name>.json and .png and the README section between
 ``<!-- bench:start -->`` and ``<!-- bench:end -->``.
+
+Then the concurrency scenario (bench/concurrency.py; ``--scenario concurrency`` runs it
+alone, ``make bench-concurrency``): several users at once against llama-server ``-np N``
+straight, kvproxy with one slot and kvproxy with N slots, plus llama-batched-bench.
+It writes bench/results/concurrency.json and .png and the README section between
+``<!-- bench-concurrency:start -->`` and ``<!-- bench-concurrency:end -->``.
 """
 from __future__ import annotations
 
@@ -26,7 +32,8 @@ from pathlib import Path
 
 import requests
 
-from . import micro, report
+from . import concurrency, concurrency_report, micro, report
+from .concurrency_stats import targets as concurrency_targets
 from .procs import ROOT, Mode, Proxy
 from .workload import account_tokens, build_conversations, run_workload
 
@@ -40,6 +47,13 @@ QUICK = dict(prompt_tokens="400,600,900", turns=2, restart_after=1, max_tokens=8
              io_sizes="256,512,1024", io_repeats=2, overhead_requests=20, stream_requests=4,
              stream_max_tokens=32, memory_replies=5, memory_max_tokens=64, modes="a,b")
 
+# The concurrency scenario: users per group, llama-server slots for (a) and (c), context
+# per slot, system prompt sizes, turns, reply length, think time range, llama-batched-bench.
+CONC_FULL = dict(users="4,8", slots=4, slot_ctx=4096, system_tokens="1500,3000", conc_turns=5,
+                 conc_max_tokens=48, think="0.5,2.0", conc_modes="a,b,c", batched="512,64,1,2,4")
+CONC_QUICK = dict(users="2,4", slots=2, slot_ctx=1024, system_tokens="200,400", conc_turns=3,
+                  conc_max_tokens=8, think="0.1,0.3", conc_modes="a,b,c", batched="128,16,1,2")
+
 MODES = {
     "a": ("(a) llama-server --cache-ram", 16384, False),
     "b": ("(b) kvproxy", 16384, True),
@@ -51,6 +65,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run of a minute or two")
+    p.add_argument("--scenario", choices=("all", "main", "concurrency"), default="all",
+                   help="main: the restart workload and micro figures; concurrency: several "
+                   "users at once (default: both)")
+    c = p.add_argument_group("concurrency scenario")
+    c.add_argument("--users", help="users at once, one group each (default 4,8; quick 2,4)")
+    c.add_argument("--slots", type=int, help="llama-server slots of (a) and (c) (default 4; quick 2)")
+    c.add_argument("--slot-ctx", type=int, help="context per slot in tokens; -c is slots times "
+                   "this (default 4096)")
+    c.add_argument("--system-tokens", help="smallest,largest system prompt (default 1500,3000)")
+    c.add_argument("--conc-turns", type=int, help="turns per user (default 5)")
+    c.add_argument("--conc-max-tokens", type=int, help="reply length limit (default 48)")
+    c.add_argument("--think", help="min,max seconds between a user's turns (default 0.5,2.0)")
+    c.add_argument("--conc-modes", help="comma list of a (llama-server -np N), b (kvproxy, one "
+                   "slot), c (kvproxy, N slots); default a,b,c")
+    c.add_argument("--batched", help="llama-batched-bench prompt,generated,parallel... "
+                   "(default 512,64,1,2,4)")
+    c.add_argument("--proxy-cache-ram", type=int, help="llama-server --cache-ram (MiB) behind "
+                   "kvproxy in (b) and (c); default: what kvproxy's LlamaServer starts with")
+    c.add_argument("--conc-budget", type=float, default=1800,
+                   help="seconds one mode may take with one group before its users stop")
     p.add_argument("--modes", help="comma list of a, b, c (default: a,b,c; quick: a,b)")
     p.add_argument("--prompt-tokens", help="distinct system prompt sizes in tokens; the first is "
                    "shared by conversations A and C (default 2000,4000,6000)")
@@ -68,7 +102,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="seconds the streaming and memory sections may take each; they stop early "
                    "(and say so) on a machine too busy to finish them (default 600)")
     p.add_argument("--skip", default="", help="comma list of sections to skip: io, overhead, "
-                   "streaming, memory")
+                   "streaming, memory, batched (llama-batched-bench)")
     p.add_argument("--read-timeout", type=float, default=600,
                    help="seconds a request may stay silent (prefill included)")
     p.add_argument("--name", help="results file name (default: latest, quick: quick)")
@@ -81,7 +115,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the temporary slot folders and logs")
     args = p.parse_args(argv)
     args.name_given = args.name
-    defaults = QUICK if args.quick else FULL
+    defaults = {**(QUICK if args.quick else FULL), **(CONC_QUICK if args.quick else CONC_FULL)}
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -102,7 +136,45 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"largest prompt plus {args.turns} turns (~{budget} tokens) does not fit in 8192")
     if max(args.io_size_list, default=0) > 8000:
         p.error("--io-sizes must stay below the 8192-token context")
+    try:
+        args.conc = concurrency_settings(args)
+    except ValueError as exc:
+        p.error(str(exc))
     return args
+
+
+def concurrency_settings(args: argparse.Namespace) -> dict:
+    """The concurrency scenario's settings from the parsed arguments; ValueError if they
+    do not make sense."""
+    def numbers(text: str, kind=int) -> list:
+        return [kind(x) for x in str(text).split(",") if x.strip()]
+
+    users, system, think, batch = (numbers(args.users), numbers(args.system_tokens),
+                                   numbers(args.think, float), numbers(args.batched))
+    modes = [m.strip() for m in args.conc_modes.split(",") if m.strip()]
+    if not users or min(users) < 1:
+        raise ValueError("--users needs one or more positive numbers")
+    if len(system) != 2 or not 0 < system[0] <= system[1]:
+        raise ValueError("--system-tokens needs smallest,largest")
+    if len(think) != 2 or not 0 <= think[0] <= think[1]:
+        raise ValueError("--think needs min,max seconds")
+    if set(modes) - {"a", "b", "c"} or not modes:
+        raise ValueError("--conc-modes is a comma list of a, b, c")
+    if len(batch) < 3:
+        raise ValueError("--batched needs prompt,generated,parallel[,parallel...]")
+    if args.slots < 1:
+        raise ValueError("--slots must be at least 1")
+    if not concurrency.fits(system[1], args.conc_turns, args.conc_max_tokens, args.slot_ctx):
+        raise ValueError(f"a {system[1]}-token system prompt plus {args.conc_turns} turns of "
+                         f"{args.conc_max_tokens} tokens does not fit a {args.slot_ctx}-token "
+                         "slot: raise --slot-ctx")
+    return {"users": users, "slots": args.slots, "slot_ctx": args.slot_ctx,
+            "system_tokens": system, "turns": args.conc_turns,
+            "max_tokens": args.conc_max_tokens, "think": think, "modes": modes,
+            "batched": (batch[0], batch[1], batch[2:]), "budget_s": args.conc_budget,
+            "proxy_cache_ram": args.proxy_cache_ram,
+            "read_timeout": args.read_timeout, "overhead_requests": args.overhead_requests,
+            "skip": sorted(args.skip_set)}
 
 
 def command_line(argv: list[str] | None) -> str:
@@ -171,15 +243,96 @@ def _interrupt(*_args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    started = time.monotonic()
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     if args.from_json:
         run = json.loads(Path(args.from_json).read_text())
         if args.name_given is None:
             args.name = Path(args.from_json).stem
+        if "groups" in run:
+            return publish_concurrency(run, args, log, args.name)
         return publish(run, args, log)
     signal.signal(signal.SIGTERM, _interrupt)
+    code = 0
+    if args.scenario in ("all", "main"):
+        code = main_scenario(args, argv, log)
+        if code == 1:   # interrupted
+            return code
+    if args.scenario in ("all", "concurrency"):
+        code = max(code, concurrency_scenario(args, argv, log))
+    return code
 
+
+def concurrency_name(args: argparse.Namespace) -> str:
+    if args.name_given:
+        return f"{args.name_given}-concurrency"
+    return "concurrency-quick" if args.quick else "concurrency"
+
+
+def concurrency_scenario(args: argparse.Namespace, argv: list[str] | None, log) -> int:
+    """Several users at once: (a), (b), (c) for each group; publishes like the main scenario."""
+    started = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="kvproxy-bench-conc-"))
+    conc: dict = {
+        "scenario": "concurrency",
+        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": command_line(argv), "quick": args.quick, "machine": machine(),
+        "loadavg_start": loadavg(), "settings": {k: v for k, v in args.conc.items() if k != "skip"},
+        "overhead_recorded": concurrency.recorded_overhead(RESULTS),
+    }
+    log(f"\nkvproxy concurrency benchmark ({'quick' if args.quick else 'full'}); work folder {work}")
+    name = concurrency_name(args)
+    try:
+        concurrency.run_scenario(args.conc, work, log, conc)
+    except KeyboardInterrupt:
+        log("interrupted")
+        conc["interrupted"] = True
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            log(f"kept {work}")
+    conc["loadavg_end"] = loadavg()
+    conc["duration_seconds"] = round(time.monotonic() - started, 1)
+    if conc.get("interrupted"):
+        if not any(g.get("summaries") for g in conc.get("groups") or []):
+            return 1
+        log("publishing what was measured before the interruption (README left alone)")
+        publish_concurrency(conc, args, log, name + "-interrupted", readme=False)
+        return 1
+    return publish_concurrency(conc, args, log, name)
+
+
+def publish_concurrency(conc: dict, args: argparse.Namespace, log, name: str,
+                        readme: bool | None = None) -> int:
+    """Targets, the printed report, results/<name>.json|.png|.md and the README section."""
+    conc["groups"] = [g for g in conc.get("groups") or [] if g.get("summaries")]
+    conc["targets"] = concurrency_targets(conc["groups"], conc["settings"]["slots"],
+                                          conc.get("overhead"))
+    log("\n" + concurrency_report.text_report(conc))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = RESULTS / f"{name}.json", RESULTS / f"{name}.png"
+    concurrency_report.plot(conc, png_path)
+    tmp = json_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(conc, indent=1, default=str))
+    os.replace(tmp, json_path)
+    log(f"wrote {json_path.relative_to(ROOT)} and {png_path.relative_to(ROOT)}")
+    section = concurrency_report.readme_section(conc, png_path.relative_to(ROOT).as_posix())
+    (RESULTS / f"{name}.md").write_text(section + "\n")
+    if args.readme if readme is None else readme:
+        if report.update_readme(ROOT / "README.md", section, concurrency_report.START,
+                                concurrency_report.END):
+            log("README.md: concurrency section rewritten")
+        else:
+            log("README.md has no concurrency markers; the section is in "
+                f"{(RESULTS / (name + '.md')).relative_to(ROOT)}")
+    failed = [t for t in conc["targets"] if t["status"] == "FAIL"]
+    log("concurrency targets: " + ", ".join(f"{t['id']} {t['status']}" for t in conc["targets"]))
+    return 3 if failed and args.strict else 0
+
+
+def main_scenario(args: argparse.Namespace, argv: list[str] | None, log) -> int:
+    """The restart workload (a), (b), (c) and the micro figures."""
+    started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="kvproxy-bench-"))
     run: dict = {
         "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -6,8 +6,9 @@ share one slot folder and one llama-server (started with ``--cache-ram 0``, so a
 comes from kvproxy's own slot files). Afterwards it checks that
 
 - every answer ran in its own session: the reply's ``X-KVProxy-Session`` is the session's
-  id, and the reused-token count fits the cache state (each session has its own system
-  prompt, so an answer computed on another session's state would reuse almost nothing);
+  id, and the reused and computed token counts fit the cache state (each session has its
+  own system prompt, so an answer computed on another session's state would reuse almost
+  nothing, and a warm answer computes less than the system prompt: only its new turn);
 - nothing deadlocked (every client finished in time), the slot is free, and the kvproxy
   workers did not grow threads or file descriptors;
 - every slot file on disk has a sidecar whose byte count matches it,
@@ -69,7 +70,12 @@ class Session:
     system: str
     system_tokens: int = 0
     history: list[dict] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one write at a time
+    # Turns of this session in flight, counted under ``guard``: the history is replaced by a
+    # new conversation only when no other turn still carries the old one, else a late turn
+    # with the old history would look like a restore that reused nothing.
+    in_flight: int = 0
+    guard: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def expected_header(self) -> str:
@@ -214,9 +220,8 @@ def check_reuse(session: Session, outcome: Outcome) -> str | None:
             return f"cache {outcome.cache} but only {outcome.reused} tokens reused"
         if not warm and outcome.reused > MISS_REUSE_MAX:
             return f"cache miss but {outcome.reused} tokens reused: another session's state"
-        return None
     if outcome.computed is None:
-        return "no prompt_eval_count"
+        return "no computed-token figure"
     if warm and outcome.computed > session.system_tokens:
         return f"cache {outcome.cache} but {outcome.computed} tokens computed"
     if not warm and outcome.computed < session.system_tokens:
@@ -252,8 +257,10 @@ class Soak:
         if kind == "write":
             if not session.lock.acquire(timeout=600):
                 raise RuntimeError(f"session {session.number} stayed locked: a client hung")
-        try:
+        with session.guard:
+            session.in_flight += 1
             history = list(session.history)
+        try:
             question = f"Turn {len(history) // 2 + 1}: what is rule {rng.randint(1, 9)}?"
             messages = history + [{"role": "user", "content": question}]
             path, headers, body = request_for(session, messages, stream, self.config.max_tokens
@@ -281,11 +288,14 @@ class Soak:
                 elif kind != "disconnect":
                     outcome.problem = check_reuse(session, outcome)
             if kind == "write" and outcome.status == 200 and not outcome.problem:
-                session.history = messages + [{"role": "assistant", "content": outcome.text}]
-                if len(session.history) > 24:  # a new conversation under the same id
-                    session.history = []
+                with session.guard:
+                    session.history = messages + [{"role": "assistant", "content": outcome.text}]
+                    if len(session.history) > 24 and session.in_flight == 1:
+                        session.history = []  # a new conversation under the same id
             return outcome
         finally:
+            with session.guard:
+                session.in_flight -= 1
             if kind == "write":
                 session.lock.release()
 

@@ -10,6 +10,7 @@ leave the slot folder and that llama-server's filename check accepts.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import unicodedata
 from dataclasses import dataclass
@@ -177,6 +178,21 @@ def _body_value(body: Mapping[str, Any], dotted: str) -> Any:
     return value
 
 
+def _claude_code_session(user_id: Any) -> Any:
+    """Claude Code 2.x sends ``metadata.user_id`` as a JSON string holding its device,
+    account and ``session_id``: that session id is the conversation (the same one its
+    ``X-Claude-Code-Session-Id`` header carries), so a request that lost the header on the
+    way still lands in the same session. Any other value is the id as it is."""
+    if not (isinstance(user_id, str) and user_id.startswith("{")):
+        return user_id
+    try:
+        parsed = json.loads(user_id)
+    except ValueError:
+        return user_id
+    session_id = parsed.get("session_id") if isinstance(parsed, dict) else None
+    return session_id if isinstance(session_id, str) and session_id.strip() else user_id
+
+
 def _usable(value: Any) -> str | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         value = str(value)
@@ -194,7 +210,8 @@ def explicit_id(headers: Mapping[str, str], body: Mapping[str, Any],
         if value:
             return value, f"header:{name}"
     for field in CLIENT_BODY_FIELDS + DESIGN_BODY_FIELDS:
-        value = _usable(_body_value(body, field))
+        raw = _body_value(body, field)
+        value = _usable(_claude_code_session(raw) if field == "metadata.user_id" else raw)
         if value:
             return value, f"body:{field}"
     value = _usable(body.get("id"))

@@ -1,4 +1,5 @@
 """Session identity: priority of every source, hashing fallbacks, hostile ids."""
+import json
 import os
 import re
 
@@ -47,6 +48,24 @@ def test_headers_follow_the_configured_order():
 def test_body_fields_in_priority_order(body, expected):
     session = resolve(body=body)
     assert (session.id, session.source) == expected
+
+
+CLAUDE_USER_ID = json.dumps({"device_id": "0" * 64, "account_uuid": "",
+                             "session_id": "ded60c9b-618f-4fe9-96ea-710787c1bb8c"})
+
+
+def test_claude_code_user_id_json_names_the_same_session_as_its_header():
+    by_header = resolve(headers={"X-Claude-Code-Session-Id": "ded60c9b-618f-4fe9-96ea-710787c1bb8c"},
+                        body={"metadata": {"user_id": CLAUDE_USER_ID}})
+    by_body = resolve(body={"metadata": {"user_id": CLAUDE_USER_ID}})
+    assert by_body.id == by_header.id == "ded60c9b-618f-4fe9-96ea-710787c1bb8c"
+    assert by_body.key == by_header.key and by_body.source == "body:metadata.user_id"
+
+
+@pytest.mark.parametrize("user_id", ['{"device_id": "d"}', '{"session_id": ""}', "{not json",
+                                     '{"session_id": 5}', '["session_id"]'])
+def test_other_user_ids_are_used_as_they_are(user_id):
+    assert resolve(body={"metadata": {"user_id": user_id}}).id == user_id
 
 
 def test_an_id_that_does_not_look_like_a_chat_is_ignored():

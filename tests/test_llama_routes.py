@@ -183,3 +183,25 @@ def test_models_keep_llama_servers_fields_under_the_served_name(app, fake):
     assert listing["data"][0]["meta"] == {"n_ctx_train": 8192}
     assert listing["data"][0]["id"] == "tiny" and listing["object"] == "list"
     assert listing["models"] == [{"name": "tiny", "model": "tiny", "capabilities": ["completion"]}]
+
+
+@pytest.mark.parametrize("path", ["/props", "/lora-adapters"])
+def test_server_wide_changes_need_the_admin_token_when_one_is_set(tmp_path, fake, path):
+    fake.mock.add(responses.POST, f"{UPSTREAM}{path}", json={"success": True})
+    fake.mock.add(responses.GET, f"{UPSTREAM}/lora-adapters", json=[])
+    app = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM, "admin_token": "s3cret"})
+    client = app.test_client()
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        refused = client.post(path, json={}, headers=headers)
+        assert refused.status_code == 401
+        assert "admin token" in refused.get_json()["error"]["message"]
+    assert not any(c.request.method == "POST" and c.request.url == UPSTREAM + path
+                   for c in fake.mock.calls)
+    assert client.get(path).status_code == 200  # reading needs no token
+    allowed = client.post(path, json={}, headers={"Authorization": "Bearer s3cret"})
+    assert allowed.status_code == 200 and allowed.get_json() == {"success": True}
+
+
+def test_server_wide_changes_pass_without_a_configured_token(app, fake):
+    fake.mock.add(responses.POST, f"{UPSTREAM}/lora-adapters", json={"success": True})
+    assert app.test_client().post("/lora-adapters", json=[]).status_code == 200

@@ -6,7 +6,9 @@ slot, and llama-server's answer comes back unchanged, its errors included.
 ``SIDE`` routes run a task on the slot (embeddings, rerank): they wait for the
 slot like a side request, which saves the conversation it held first and is
 never saved itself. Only kvproxy's own failures (llama-server unreachable, slot
-busy) answer in OpenAI's error shape.
+busy) answer in OpenAI's error shape. Methods that change llama-server for
+everyone (``POST /props``, ``POST /lora-adapters``) need the admin token when
+one is set, like the session admin API.
 """
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ import json
 from dataclasses import dataclass
 from typing import Iterator
 
+import hmac
+
 import requests
-from flask import Blueprint, Response, request
+from flask import Blueprint, Response, current_app, request
 
 from ..identity import SIDE_SESSION, Session
 from ..relay import pinned
@@ -39,11 +43,12 @@ class Route:
     methods: tuple[str, ...]
     kind: str
     why: str
+    admin_methods: tuple[str, ...] = ()  # change the server for everyone: admin token
 
 
 ROUTES = (
     Route(("/props",), ("GET", "POST"), PLAIN,
-          "model and server properties (Maki discovers the model here)"),
+          "model and server properties (Maki discovers the model here)", ("POST",)),
     Route(("/tokenize", "/detokenize"), ("POST",), PLAIN, "the model's tokenizer"),
     Route(("/apply-template",), ("POST",), PLAIN, "the chat template, without generating"),
     Route(("/chat/completions/input_tokens", "/v1/chat/completions/input_tokens",
@@ -52,7 +57,7 @@ ROUTES = (
     Route(("/v1/chat/completions/control",), ("POST",), PLAIN,
           "steers an answer that is running, so it must not wait for the slot"),
     Route(("/slots",), ("GET",), PLAIN, "slot state, read only (slot actions are kvproxy's)"),
-    Route(("/lora-adapters",), ("GET", "POST"), PLAIN, "LoRA adapter scales"),
+    Route(("/lora-adapters",), ("GET", "POST"), PLAIN, "LoRA adapter scales", ("POST",)),
     Route(("/v1/health",), ("GET",), PLAIN, "llama-server's own health"),
     Route(("/v1/stream",), ("GET", "DELETE"), PLAIN, "resumable streams of the web UI"),
     Route(("/v1/streams/lookup",), ("POST",), PLAIN, "resumable streams of the web UI"),
@@ -68,9 +73,21 @@ ROUTES = (
 )
 
 
+def _admin_token_missing(route: Route) -> bool:
+    """A server-wide change without the admin token, when one is configured."""
+    token = current_app.config["KVPROXY"].admin_token
+    if not token or request.method not in route.admin_methods:
+        return False
+    sent = request.headers.get("Authorization", "")
+    return not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode())
+
+
 def _forward(route: Route) -> Response:
     if route.kind == REFUSED:
         return render_error(403, f"{request.method} {request.path}: {route.why}")
+    if _admin_token_missing(route):
+        return render_error(401, f"{request.method} {request.path} changes llama-server for "
+                                 "every client: send 'Authorization: Bearer <admin token>'")
     client = relay().client
     side = route.kind == SIDE
     lease = None
