@@ -153,7 +153,7 @@ class SlotSwitch(SlotFiles):
             try:
                 if waited and still_wanted is not None and not still_wanted():
                     metrics.REJECTED.labels("client_gone").inc()
-                    log.info("client of session %s left while waiting for a slot: no swap",
+                    log.info("client of session %s left while waiting for the slot: no swap",
                              session.id)
                     raise ClientGone()
                 lease = self._swap_to(session, prompt, slot)
