@@ -77,7 +77,9 @@ class SlotPool:
             self._queue.append(me)
         try:
             while True:
-                table = self.store.read_table()
+                # One slot: nothing to choose between, so the table is not read (the
+                # no-swap path stays as fast as it was).
+                table = self.store.read_table() if len(slot_ids) > 1 else {}
                 with self._cond:
                     facts = facts_from_table(table, slot_ids, self._busy())
                     decision = queue_order(facts, [(w.key, w.side) for w in self._queue],
