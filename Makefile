@@ -48,6 +48,7 @@ $(NPM_DIR)/.claude-code-$(CLAUDE_CODE_VERSION):
 	    @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) && touch $@; \
 	else echo "== npm not found: the Claude Code CLI test will be skipped"; fi
 
+# LLAMA_SLOTS=N (default 1): llama-server -np N, each slot gets -c / N (LLAMA_CTX, default 8192).
 run: setup
 	$(BIN)/python -m kvproxy.serve
 

@@ -1,4 +1,4 @@
-"""gunicorn settings: one worker (the slot is one), threads for waiting clients.
+"""gunicorn settings: one worker (it owns the slots' locks), threads for waiting clients.
 
 Streams can run for minutes, so the worker timeout must not cut them: with
 gthread the heartbeat comes from the worker's main thread, not from the request,
@@ -52,7 +52,7 @@ def post_worker_init(worker):
 
 
 def worker_exit(server, worker):
-    """Save the session the slot holds, so restarting both processes loses nothing."""
+    """Save the session every slot holds, so restarting both processes loses nothing."""
     app = getattr(worker, "wsgi", None)
     switch = getattr(app, "extensions", {}).get("kvproxy.switch") if app else None
     if switch is not None:

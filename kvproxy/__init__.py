@@ -1,4 +1,4 @@
-"""kvproxy: a session-aware front door for a single-slot llama-server."""
+"""kvproxy: a session-aware front door for llama-server, one conversation per slot."""
 from __future__ import annotations
 
 import logging
@@ -46,7 +46,8 @@ def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
                         settings.restore_miss_limit, int(settings.max_disk_gb * 1024**3),
                         int(settings.min_free_gb * 1024**3),
                         max_waiters=settings.max_waiters,
-                        restore_off_minutes=settings.restore_off_minutes)
+                        restore_off_minutes=settings.restore_off_minutes,
+                        slots=settings.slots)
     app.extensions["kvproxy.switch"] = switch
     # Its own client: the probe must not count as the last slot call of the switch's client,
     # whose open connection vouches for what the slot holds.
@@ -63,6 +64,7 @@ def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
         app.register_blueprint(blueprint)
     api = Api(app)
     api.register_blueprint(admin.blueprint)
+    api.register_blueprint(admin.slots_blueprint)
     body_limit.init_app(app)
     errors.init_app(app, api)
     metrics.init_app(app)

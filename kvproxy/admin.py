@@ -1,4 +1,4 @@
-"""Session admin API (flask-smorest): list, inspect, clear and delete sessions.
+"""Session admin API (flask-smorest): list, inspect, clear and delete sessions; list slots.
 
 When ``KVPROXY_ADMIN_TOKEN`` is set every endpoint here needs
 ``Authorization: Bearer <token>``.
@@ -17,6 +17,8 @@ from .slotlock import SlotUnavailable
 
 blueprint = Blueprint("sessions", __name__, url_prefix="/api/sessions",
                       description="Saved llama-server slot sessions")
+slots_blueprint = Blueprint("slots", __name__, url_prefix="/api/slots",
+                            description="The llama-server slots kvproxy drives")
 
 
 class SessionSchema(ma.Schema):
@@ -62,7 +64,35 @@ class RestoreCheckSchema(ma.Schema):
     last_miss_at = ma.fields.String(allow_none=True)
 
 
+class SlotSchema(ma.Schema):
+    id = ma.fields.Integer(metadata={"description": "llama-server's slot id (id_slot)"})
+    session_id = ma.fields.String(metadata={"description": "The session the slot holds"})
+    persistent = ma.fields.Boolean(metadata={
+        "description": "False for side requests and 'default': nothing to save"})
+    file = ma.fields.String(allow_none=True, metadata={"description": "Its slot file"})
+    tokens = ma.fields.Integer(metadata={"description": "Tokens the slot holds, as last recorded"})
+    n_ctx = ma.fields.Integer(allow_none=True, metadata={
+        "description": "The slot's context (llama-server's -c split between slots), once seen"})
+    busy = ma.fields.Boolean(metadata={"description": "A request of this process holds it now"})
+    busy_since = ma.fields.String(allow_none=True)
+    unproven = ma.fields.Boolean(metadata={
+        "description": "A swap failed half-way: what it holds is not trusted until the next swap"})
+    since = ma.fields.String(allow_none=True, metadata={
+        "description": "When the slot last changed session (or size)"})
+    last_used_at = ma.fields.String(allow_none=True, metadata={
+        "description": "Last request: the least recently used idle slot is swapped out first"})
+
+
+class SlotQuerySchema(ma.Schema):
+    slot = ma.fields.Integer(load_default=None, validate=ma.validate.Range(min=0), metadata={
+        "description": "One slot's id; default: every slot"})
+
+
 class CurrentSchema(ma.Schema):
+    slot = ma.fields.Integer(allow_none=True, metadata={
+        "description": "The slot described: the one asked for, else the one used last"})
+    slots = ma.fields.List(ma.fields.Nested(SlotSchema), metadata={
+        "description": "Every slot and the session it holds"})
     session_id = ma.fields.String()
     persistent = ma.fields.Boolean()
     file = ma.fields.String(allow_none=True)
@@ -76,6 +106,7 @@ class CurrentSchema(ma.Schema):
 class ClearedSchema(ma.Schema):
     session_id = ma.fields.String()
     cleared = ma.fields.Boolean()
+    slots = ma.fields.List(ma.fields.Integer(), metadata={"description": "The slots cleared"})
 
 
 def _switch():
@@ -115,16 +146,31 @@ class Sessions(MethodView):
         return [_as_listing(s) for s in _switch().store.sidecars()]
 
 
+def _slot_arg(slot: int | None) -> int | None:
+    if slot is not None and slot not in _switch().slot_ids():
+        abort(400, message=f"no slot {slot}: kvproxy drives slots {_switch().slot_ids()}")
+    return slot
+
+
 @blueprint.route("/current")
 class Current(MethodView):
+    @blueprint.arguments(SlotQuerySchema, location="query")
     @blueprint.response(200, CurrentSchema)
-    def get(self):
-        """The session the slot holds now, and the status of its slot file."""
-        store = _switch().store
-        state = store.read_state()
+    def get(self, args):
+        """The session a slot holds now (``?slot=N``; default: the slot used last), the status
+        of its slot file, and every slot with its session in ``slots``."""
+        switch = _switch()
+        store = switch.store
+        slots = switch.slot_listing()
+        slot = _slot_arg(args.get("slot"))
+        if slot is None and slots:
+            slot = max(slots, key=lambda row: (row["last_used_at"] or row["since"] or "",
+                                               -row["id"]))["id"]
+        state = store.read_state(slot) if slot is not None else {}
         stem = state.get("active_stem")
         sidecar = store.read_sidecar(stem) if stem else None
-        return {"session_id": state.get("active") or "default",
+        return {"slot": slot, "slots": slots,
+                "session_id": state.get("active") or "default",
                 "persistent": bool(state.get("active_persistent")),
                 "file": f"{stem}.bin" if stem else None,
                 "file_exists": bool(stem) and store.has_bin(stem),
@@ -135,14 +181,17 @@ class Current(MethodView):
 
 @blueprint.route("/clear")
 class Clear(MethodView):
+    @blueprint.arguments(SlotQuerySchema, location="query")
     @blueprint.response(200, ClearedSchema)
-    def post(self):
-        """Save the active session, erase the slot and make 'default' active."""
+    def post(self, args):
+        """Save the session a slot holds, erase the slot and make 'default' its session:
+        ``?slot=N`` for one slot, every slot by default (each waits like a request)."""
+        slot = _slot_arg(args.get("slot"))
         try:
-            _switch().clear()
+            cleared = _switch().clear(slot)
         except (SlotUnavailable, UpstreamError, UpstreamUnavailable) as exc:
             _unavailable(exc)
-        return {"session_id": "default", "cleared": True}
+        return {"session_id": "default", "cleared": True, "slots": cleared}
 
 
 @blueprint.route("/restore-check/reset")
@@ -165,3 +214,17 @@ class OneSession(MethodView):
             _unavailable(exc)
         if not removed:
             abort(404, message=f"no saved session {session_id!r}")
+
+
+@slots_blueprint.before_request
+def _slots_token() -> None:
+    require_token()
+
+
+@slots_blueprint.route("")
+class Slots(MethodView):
+    @slots_blueprint.response(200, SlotSchema(many=True))
+    def get(self):
+        """Every slot kvproxy drives: the session it holds, its tokens, busy or idle and since
+        when. Read from the state table; never waits for a slot or for llama-server."""
+        return _switch().slot_listing()

@@ -125,8 +125,10 @@ def restore_text(check: dict) -> str:
 def cmd_ps(client: AdminClient, args) -> tuple[Any, str]:
     data = client.json("/api/status", sessions="0")
     llama = data["llama_server"]
-    rows = [[s["id"], s["session_id"], "busy" if s["busy"] else "idle", s["tokens"],
-             ago(s.get("since"))] for s in data["slots"]]
+    rows = [[s["id"], s["session_id"], "busy" if s["busy"] else "idle",
+             f"{s['tokens']}/{s['n_ctx']}" if s.get("n_ctx") else s["tokens"],
+             ago(s.get("busy_since") if s["busy"] and s.get("busy_since") else
+                 s.get("last_used_at") or s.get("since"))] for s in data["slots"]]
     text = table(["SLOT", "SESSION", "STATE", "TOKENS", "SINCE"], rows)
     text += f"\nllama-server {llama['status']}: {llama.get('model') or '-'} at {llama['url']}"
     return {"slots": data["slots"], "llama_server": llama}, text
@@ -149,8 +151,11 @@ def cmd_rm(client: AdminClient, args) -> tuple[Any, str]:
 
 
 def cmd_clear(client: AdminClient, args) -> tuple[Any, str]:
-    answer = client.call("POST", "/api/sessions/clear").json()
-    return answer, "slot cleared (the session it held was saved first)"
+    params = {} if args.slot is None else {"slot": args.slot}
+    answer = client.call("POST", "/api/sessions/clear", **params).json()
+    slots = answer.get("slots") or []
+    which = f"slot {slots[0]}" if len(slots) == 1 else f"{len(slots)} slots"
+    return answer, f"{which} cleared (the sessions they held were saved first)"
 
 
 def cmd_stats(client: AdminClient, args) -> tuple[Any, str]:
@@ -178,7 +183,7 @@ COMMANDS: dict[str, tuple[Callable, str]] = {
     "ps": (cmd_ps, "the slots and the session each holds"),
     "sessions": (cmd_sessions, "the saved sessions as a table"),
     "rm": (cmd_rm, "delete a saved session (exit 1 when there is none)"),
-    "clear": (cmd_clear, "save the session the slot holds, then empty the slot"),
+    "clear": (cmd_clear, "save the sessions the slots hold, then empty them (--slot N: one)"),
     "stats": (cmd_stats, "hit ratio, tokens reused and computed, disk"),
 }
 
@@ -210,6 +215,9 @@ def parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help_text, description=help_text, parents=[common])
         if name == "rm":
             sub.add_argument("session_id", help="the session id, as listed by 'sessions'")
+        if name == "clear":
+            sub.add_argument("--slot", type=int, default=None,
+                             help="only this slot (default: every slot)")
     return top
 
 

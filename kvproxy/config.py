@@ -109,8 +109,11 @@ SETTINGS: tuple[Setting, ...] = (
             "Base URL of llama-server."),
     Setting("slot_dir", "/var/cache/llama-slots", str,
             "Folder of slot files: the same folder as llama-server's --slot-save-path."),
+    Setting("slots", "0", _number(0, 4096, whole=True),
+            "How many llama-server slots kvproxy drives (ids 0 to N-1), each holding one "
+            "conversation; 0: as many as llama-server reports (-np). Its -c is split between them."),
     Setting("slot_id", "0", _number(0, 4095, whole=True),
-            "The llama-server slot kvproxy manages (run llama-server with -np 1)."),
+            "With one slot: the llama-server slot kvproxy drives."),
     Setting("admin_token", "", str,
             "When set, the admin API (/api/sessions, /api/status) needs 'Authorization: Bearer <token>'."),
     Setting("node_name", "", _node_name,

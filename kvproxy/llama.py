@@ -108,7 +108,17 @@ class LlamaClient:
         spares a ``/slots`` round trip on every request; when the answer is not
         certain (no call yet, connection closed, reused or busy) it is False.
         """
-        witness = self._witness
+        return self.still_open(self._witness)
+
+    def witness(self) -> tuple[Any, Any] | None:
+        """The connection of the last slot call, to ask ``still_open`` about later: with
+        several slots each slot keeps the witness of the moment its content was recorded."""
+        return self._witness
+
+    @staticmethod
+    def still_open(witness: tuple[Any, Any] | None) -> bool:
+        """Whether a connection that existed then is still open: llama-server has not
+        restarted since."""
         if witness is None:
             return False
         connection, sock = witness

@@ -31,6 +31,12 @@ REQUEST_SECONDS = Histogram("kvproxy_request_seconds",
                             registry=REGISTRY)
 SWAPS = Counter("kvproxy_swaps_total", "Slot actions by kind (save, restore, erase, base, none)",
                 ["kind"], registry=REGISTRY)
+SLOT_SWAPS = Counter("kvproxy_slot_swaps_total",
+                     "Swaps by slot and outcome: none (the slot held the session), save (of the "
+                     "session it held), restored, base, miss", ["slot", "kind"], registry=REGISTRY)
+SLOT_BUSY_SECONDS = Counter("kvproxy_slot_busy_seconds_total",
+                            "Seconds each slot was leased to a request (swap and answer)",
+                            ["slot"], registry=REGISTRY)
 SWAP_SECONDS = Histogram("kvproxy_swap_seconds", "Duration of slot actions by kind", ["kind"],
                          buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
                          registry=REGISTRY)
@@ -54,8 +60,10 @@ EVICTIONS = Counter("kvproxy_evictions_total",
 EVICTED_BYTES = Counter("kvproxy_evicted_bytes_total", "Bytes of slot files deleted by eviction",
                         registry=REGISTRY)
 
-ACTIVE_HELP = ("The kind of session the slot holds (value 1): client (an id the client sent), "
+ACTIVE_HELP = ("Slots holding a session of this kind: client (an id the client sent), "
                "conversation, system, default or side")
+SLOT_TOKENS_HELP = "Tokens the slots hold, as last recorded (all slots together)"
+HELD_HELP = "Tokens each slot holds, as last recorded"
 
 log = logging.getLogger("kvproxy.requests")
 
@@ -124,31 +132,41 @@ class SlotFolderCollector(Collector):
         yield GaugeMetricFamily("kvproxy_slot_dir_files", "Number of *.bin slot files in the slot folder")
         yield GaugeMetricFamily("kvproxy_active_session", ACTIVE_HELP,
                                 labels=["kind", "persistent"])
-        yield GaugeMetricFamily("kvproxy_slot_tokens", "Tokens the slot holds, as last recorded")
+        yield GaugeMetricFamily("kvproxy_slot_tokens", SLOT_TOKENS_HELP)
+        yield GaugeMetricFamily("kvproxy_slot_held_tokens", HELD_HELP, labels=["slot"])
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         store = self._store()
         n_bytes = n_files = 0
-        state: dict = {}
+        table: dict = {}
         if store is not None:
             n_bytes, n_files = slot_folder_usage(store.root)
             try:
-                state = store.read_state() or {}
+                table = store.read_table() or {}
             except Exception:  # a scrape must not fail on a bad state file
-                state = {}
+                table = {}
         yield GaugeMetricFamily("kvproxy_slot_dir_bytes",
                                 "Bytes of *.bin slot files in the slot folder", value=n_bytes)
         yield GaugeMetricFamily("kvproxy_slot_dir_files",
                                 "Number of *.bin slot files in the slot folder", value=n_files)
         active = GaugeMetricFamily("kvproxy_active_session", ACTIVE_HELP,
                                    labels=["kind", "persistent"])
-        if state.get("active"):
-            # The kind of id, never the id: ids can be e-mail addresses (OpenAI's ``user``).
-            kind = identity.kind_of_key(state.get("active_key") or state["active"])
-            active.add_metric([kind, "true" if state.get("active_persistent") else "false"], 1)
+        kinds: dict[tuple[str, str], int] = {}
+        for state in table.values():
+            if state.get("active"):
+                # The kind of id, never the id: ids can be e-mail addresses (OpenAI's ``user``).
+                kind = identity.kind_of_key(state.get("active_key") or state["active"])
+                label = (kind, "true" if state.get("active_persistent") else "false")
+                kinds[label] = kinds.get(label, 0) + 1
+        for label, count in sorted(kinds.items()):
+            active.add_metric(list(label), count)
         yield active
-        yield GaugeMetricFamily("kvproxy_slot_tokens", "Tokens the slot holds, as last recorded",
-                                value=int(state.get("slot_tokens") or 0))
+        yield GaugeMetricFamily("kvproxy_slot_tokens", SLOT_TOKENS_HELP,
+                                value=sum(int(s.get("slot_tokens") or 0) for s in table.values()))
+        held = GaugeMetricFamily("kvproxy_slot_held_tokens", HELD_HELP, labels=["slot"])
+        for slot, state in sorted(table.items()):
+            held.add_metric([str(slot)], int(state.get("slot_tokens") or 0))
+        yield held
 
 
 SLOT_FOLDER = SlotFolderCollector()

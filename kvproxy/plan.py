@@ -70,3 +70,17 @@ def fingerprint(props: dict, models: dict) -> dict:
 
 def fingerprint_key(made_by: dict) -> str:
     return "|".join(f"{k}={made_by.get(k)}" for k in sorted(made_by))
+
+
+
+def too_big(n_tokens: object, slot_n_ctx: int | None) -> str | None:
+    """Why a file of ``n_tokens`` cannot be restored into a slot of ``slot_n_ctx``, or None.
+    llama-server answers such a restore with an error and leaves the slot wiped. (The
+    fingerprint's n_ctx already ties a file to one slot size: llama-server refused even a
+    210-token file saved with -np 1 -c 4096 in a -np 2 -c 4096 slot. This guards what /slots
+    shows of each slot against what /props reports.)"""
+    if not isinstance(n_tokens, int) or not slot_n_ctx:
+        return None
+    if n_tokens > slot_n_ctx:
+        return f"it holds {n_tokens} tokens, more than the {slot_n_ctx}-token context"
+    return None

@@ -92,12 +92,21 @@ def start_process(command: list[str], log_path: str | None, health_url: str, tim
 
 
 class LlamaServer:
-    """A llama-server child process: one slot, slot files in ``slot_dir``."""
+    """A llama-server child process: ``slots`` slots (``-np``), slot files in ``slot_dir``.
+
+    ``-c`` is split between the slots: each gets ``ctx_size / slots``. With more
+    than one slot the similarity pick is turned off (``--slot-prompt-similarity 0``):
+    kvproxy pins every request to a slot itself.
+    """
 
     def __init__(self, slot_dir: str, port: int | None = None, model: str | None = None,
                  ctx_size: int = 8192, cache_ram_mib: int | None = 16384,
-                 extra_args: list[str] | None = None, log_path: str | None = None):
+                 extra_args: list[str] | None = None, log_path: str | None = None,
+                 slots: int = 1):
+        if slots < 1:
+            raise ValueError("slots must be at least 1")
         self.slot_dir = slot_dir
+        self.slots = slots
         self.port = port or free_port()
         self.model = model or bundled_model()
         self.ctx_size = ctx_size
@@ -112,8 +121,10 @@ class LlamaServer:
 
     def command(self) -> list[str]:
         cmd = [llama_server_binary(), "-m", self.model, "--host", "127.0.0.1",
-               "--port", str(self.port), "-np", "1", "-c", str(self.ctx_size),
+               "--port", str(self.port), "-np", str(self.slots), "-c", str(self.ctx_size),
                "--slot-save-path", self.slot_dir, "--metrics"]
+        if self.slots > 1:
+            cmd += ["--slot-prompt-similarity", "0"]
         cmd += ["--cache-ram", str(self.cache_ram_mib)] if self.cache_ram_mib is not None \
             else ["--cache-ram", "0"]
         return cmd + self.extra_args

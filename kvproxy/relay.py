@@ -184,6 +184,11 @@ class Prompt:
         return whole[:n] or None
 
 
+def pinned(body: Any, slot: int) -> Any:
+    """A JSON object body with ``id_slot`` set to the leased slot (other bodies as they are)."""
+    return {**body, "id_slot": slot} if isinstance(body, dict) else body
+
+
 class Relay:
     """The path from a dialect to llama-server."""
 
@@ -205,9 +210,10 @@ class Relay:
             anonymous=self.settings.anonymous_sessions,
             side_pattern=self.settings.side_request_pattern)
 
-    def _upstream_body(self, call: ChatCall, stream: bool) -> dict:
-        return {**call.body, "stream": stream, "cache_prompt": True,
-                "id_slot": self.settings.slot_id}
+    @staticmethod
+    def _upstream_body(call: ChatCall, stream: bool, lease: Lease) -> dict:
+        """The body as sent: pinned to the leased slot, so llama-server never picks another."""
+        return {**call.body, "stream": stream, "cache_prompt": True, "id_slot": lease.slot}
 
     def _acquire(self, call: ChatCall, stream: bool) -> Lease:
         return self.switch.acquire(self.session_for(call, stream=stream),
@@ -222,7 +228,7 @@ class Relay:
         lease = self._acquire(call, True)
         response = None
         try:
-            response = self.client.post_stream(call.path, self._upstream_body(call, True))
+            response = self.client.post_stream(call.path, self._upstream_body(call, True, lease))
             return Exchange(self.switch, lease, response)
         except BaseException:
             try:
@@ -236,7 +242,7 @@ class Relay:
         """Take the slot for one non-streaming request; the caller must close the answer."""
         lease = self._acquire(call, False)
         try:
-            result = self.client.post_json(call.path, self._upstream_body(call, False))
+            result = self.client.post_json(call.path, self._upstream_body(call, False, lease))
             return Answer(self.switch, lease, result)
         except BaseException:
             self.switch.release(lease)
@@ -247,7 +253,7 @@ class Relay:
         lease = self.switch.acquire(identity.Session(identity.SIDE_SESSION, "side-request",
                                                      persistent=False))
         try:
-            return self.client.post_json(path, body)
+            return self.client.post_json(path, pinned(body, lease.slot))
         finally:
             self.switch.release(lease)
 

@@ -1,4 +1,4 @@
-"""The lock around the one slot: a thread lock plus a file lock, bounded in time and in waiters.
+"""The lock around one slot: a thread lock plus a file lock, bounded in time and in waiters.
 
 The thread lock orders this process's threads; the ``filelock`` lock in the
 slot folder orders processes that share the folder. Waiting is bounded twice:
@@ -88,6 +88,29 @@ class SlotLock:
             raise
         metrics.LOCK_WAIT.observe(time.monotonic() - started)
         return waited
+
+    def try_acquire(self) -> bool:
+        """Take the slot only if nobody (thread or process) holds it; never waits.
+        Raises ``SlotUnavailable`` when the file lock cannot be taken at all."""
+        if not self.thread_lock.acquire(blocking=False):
+            return False
+        try:
+            self._file_lock.acquire(timeout=0)
+        except filelock.Timeout:
+            self.thread_lock.release()
+            return False
+        except Exception as exc:  # noqa: BLE001 - read-only, full, lockless filesystems...
+            self.thread_lock.release()
+            raise SlotUnavailable(f"the slot lock cannot be taken ({exc.__class__.__name__}: {exc}); "
+                                  f"check that the slot folder is writable") from exc
+        except BaseException:
+            self.thread_lock.release()
+            raise
+        return True
+
+    def held_here(self) -> bool:
+        """Whether a thread of this process holds the slot."""
+        return self.thread_lock.locked()
 
     def _wait_for_thread_lock(self, started: float, bound: float) -> None:
         with self._count_lock:

@@ -18,7 +18,7 @@ import time
 from . import disk
 from .config import ConfigError
 from .llama import LlamaClient, UpstreamError, UpstreamUnavailable
-from .store import PROBE_PREFIX
+from .store import PROBE_PREFIX, StorageError
 
 log = logging.getLogger("kvproxy.startup")
 
@@ -31,14 +31,18 @@ class ContractError(ConfigError):
 
 
 def sweep_slot_folder(switch, wait: float = START_WAIT) -> list[str]:
-    """Remove leftovers of crashes from the slot folder, with the slot locked; logs each action."""
+    """Remove leftovers of crashes from the slot folder, with every slot locked, and write an
+    older state file in the current format; logs each action."""
     with switch.holding(wait) as held:
         if not held:
-            log.warning("start-up sweep of the slot folder skipped: the slot stayed busy")
+            log.warning("start-up sweep of the slot folder skipped: a slot stayed busy")
             return []
         try:
             done = disk.sweep(switch.store)
-        except OSError as exc:
+            if switch.store.migrate_state_file():
+                done.append(f"state file migrated to the per-slot table (its slot is "
+                            f"{switch.store.legacy_slot})")
+        except (OSError, StorageError) as exc:
             log.warning("start-up sweep of the slot folder failed: %s", exc)
             return []
     for line in done:
@@ -54,6 +58,11 @@ def contract_problem(client: LlamaClient, switch) -> str | None:
     """
     slot_id, root = switch.slot_id, switch.store.root
     total = client.props().get("total_slots")
+    wanted = switch.configured_slots
+    if isinstance(total, int) and wanted > 1 and wanted > total:
+        return (f"KVPROXY_SLOTS={wanted}, but llama-server has {total} slot(s): start it with "
+                f"-np {wanted}, or set KVPROXY_SLOTS to {total} or less (0: as many as it has)")
+    slot_id = switch.slot_ids()[0]
     if isinstance(total, int) and slot_id >= total:
         return (f"KVPROXY_SLOT_ID={slot_id}, but llama-server has {total} slot(s) (ids 0 to "
                 f"{total - 1}) and would wrap the id onto another slot: set KVPROXY_SLOT_ID "
@@ -99,8 +108,8 @@ class Contract:
         if problem and problem != self.problem:
             log.error("start-up check failed: %s", problem)
         elif not problem:
-            log.info("start-up check passed: llama-server writes slot files into %s, slot %d",
-                     self.switch.store.root, self.switch.slot_id)
+            log.info("start-up check passed: llama-server writes slot files into %s; "
+                     "kvproxy drives slot(s) %s", self.switch.store.root, self.switch.slot_ids())
         self.problem, self.passed = problem, problem is None
         return problem
 

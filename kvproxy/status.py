@@ -61,18 +61,16 @@ def session_rows(sidecars: list[dict]) -> tuple[list[dict], list[dict]]:
     return sessions, bases
 
 
-def slots_view(state: dict, slot_id: int, locked: bool, llama_slots: list[dict]) -> list[dict]:
-    """The slots kvproxy drives and what each holds. One today; a list so more can join."""
-    upstream = next((s for s in llama_slots if s.get("id") == slot_id), {})
-    processing = bool(upstream.get("is_processing"))
-    return [{"id": slot_id,
-             "session_id": state.get("active") or "default",
-             "persistent": bool(state.get("active_persistent")),
-             "file": f"{state['active_stem']}.bin" if state.get("active_stem") else None,
-             "busy": locked or processing,
-             "tokens": int(state.get("slot_tokens") or 0),
-             "n_ctx": upstream.get("n_ctx"),
-             "since": state.get("updated_at")}]
+def slots_view(listing: list[dict], llama_slots: list[dict]) -> list[dict]:
+    """Every slot kvproxy drives and what it holds (``SlotSwitch.slot_listing``), with what
+    llama-server says of it: busy while it processes, and its context size."""
+    upstream = {s.get("id"): s for s in llama_slots if isinstance(s, dict)}
+    rows = []
+    for row in listing:
+        seen = upstream.get(row["id"], {})
+        rows.append({**row, "busy": row["busy"] or bool(seen.get("is_processing")),
+                     "n_ctx": seen.get("n_ctx") or row.get("n_ctx")})
+    return rows
 
 
 def disk_view(root, bound_bytes: int) -> dict:
@@ -143,7 +141,6 @@ def status_data(include_sessions: bool = True) -> dict:
     switch = current_app.extensions["kvproxy.switch"]
     http = current_app.extensions["kvproxy.status_http"]
     llama = probe_llama(http, settings.upstream)
-    state = switch.store.read_state()
     sessions, bases = session_rows(switch.store.sidecars()) if include_sessions else ([], [])
     running_key = llama.pop("running_key")
     llama_slots = llama.pop("slots")
@@ -151,7 +148,7 @@ def status_data(include_sessions: bool = True) -> dict:
         "version": __version__,
         "generated_at": now_iso(),
         "llama_server": llama,
-        "slots": slots_view(state, switch.slot_id, switch.busy(), llama_slots),
+        "slots": slots_view(switch.slot_listing(), llama_slots),
         "stats": switch.activity.totals(),
         "timeline": switch.activity.timeline(),
         "swaps": switch.activity.recent_swaps(),

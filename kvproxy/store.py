@@ -2,24 +2,35 @@
 
 Each session or base snapshot is ``<stem>.bin`` (written by llama-server)
 plus ``<stem>.json`` (written here, atomically: temp file, then rename).
-A small state file remembers which session the slot holds, so a restarted
-proxy, or a second worker, knows what to save before the next swap.
+A small state file holds a table with one entry per slot: which session the
+slot holds, how many tokens, when it was last used. A restarted proxy, or a
+second worker, reads it to know what to save before the next swap. Each entry
+is written under its slot's lock; the table as a whole is read, changed and
+written under a short lock of its own, so processes changing different slots
+never lose each other's entries.
 
-Sidecars carry a format number; ``migrate_sidecar`` lifts every older format
-to the current one step by step, so files saved by an older kvproxy still load.
+Sidecars and the state file carry a format number; ``migrate_sidecar`` and
+``migrate_state`` lift every older format to the current one step by step, so
+files written by an older kvproxy still load (format 1 of the state file
+described a single slot: it becomes that slot's entry).
 """
 from __future__ import annotations
 
 import json
 import os
 import tempfile
+import threading
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+import filelock
 
 SIDECAR_FORMAT = 2
+STATE_FORMAT = 2
 STATE_FILE = ".kvproxy-state.json"
-LOCK_FILE = ".kvproxy.lock"
+STATE_LOCK = ".kvproxy-state.lock"
+LOCK_FILE = ".kvproxy.lock"     # slot 0's lock (the name older versions used for their one slot)
 TEMP_SUFFIX = ".saving.bin"     # a save in progress: <stem>.saving.bin
 PROBE_PREFIX = "probe."         # the start-up check's probe file: probe.<hex>.bin
 QUARANTINE_DIR = "quarantine"   # files that cannot be trusted, moved aside
@@ -58,6 +69,36 @@ def migrate_sidecar(data: dict | None) -> dict | None:
         data = step(dict(data))
         data["format"] += 1
     return data if data["format"] == SIDECAR_FORMAT else None
+
+
+def _state_v1_to_v2(state: dict, legacy_slot: int) -> dict:
+    """Format 1 described the one slot kvproxy drove (``KVPROXY_SLOT_ID``): it becomes
+    that slot's entry of the table, so the session it held is still saved before a swap."""
+    entry = {k: v for k, v in state.items() if k != "format"}
+    return {"slots": {str(legacy_slot): entry} if entry else {}}
+
+
+STATE_MIGRATIONS = {1: _state_v1_to_v2}  # format n -> format n + 1
+
+
+def migrate_state(data: dict | None, legacy_slot: int = 0) -> dict:
+    """The state file in the current format: ``{"format": 2, "slots": {"<id>": entry}}``.
+    A file from a newer kvproxy, or one that is not a table, gives an empty table: every
+    slot is then unproven, so nothing it holds is trusted or saved."""
+    data = dict(data or {})
+    if not data:
+        return {"format": STATE_FORMAT, "slots": {}}
+    version = data.get("format", 1)
+    while isinstance(version, int) and version < STATE_FORMAT:
+        step = STATE_MIGRATIONS.get(version)
+        if step is None:
+            break
+        data = step(data, legacy_slot)
+        version += 1
+    if version != STATE_FORMAT or not isinstance(data.get("slots"), dict):
+        return {"format": STATE_FORMAT, "slots": {}}
+    return {"format": STATE_FORMAT,
+            "slots": {k: v for k, v in data["slots"].items() if isinstance(v, dict)}}
 
 
 def now_iso() -> str:
@@ -103,13 +144,21 @@ def read_json(path: Path) -> dict | None:
 class SessionStore:
     """The slot folder: sidecars, slot files and the proxy's state file."""
 
-    def __init__(self, slot_dir: str | os.PathLike):
+    def __init__(self, slot_dir: str | os.PathLike, legacy_slot: int = 0):
         self.root = Path(slot_dir)
         self.root.mkdir(parents=True, exist_ok=True)
+        # The slot a format-1 state file described, and the one read_state() means by default.
+        self.legacy_slot = legacy_slot
+        self._table_thread_lock = threading.Lock()
+        self._table_file_lock = filelock.FileLock(str(self.root / STATE_LOCK), thread_local=False)
 
     @property
     def lock_path(self) -> Path:
-        return self.root / LOCK_FILE
+        return self.slot_lock_path(self.legacy_slot)
+
+    def slot_lock_path(self, slot: int) -> Path:
+        """The cross-process lock of one slot."""
+        return self.root / (LOCK_FILE if slot == 0 else f".kvproxy-slot{int(slot)}.lock")
 
     def bin_path(self, stem: str) -> Path:
         return self.root / f"{stem}.bin"
@@ -168,12 +217,50 @@ class SessionStore:
                 pass
         return removed
 
-    # -- proxy state -------------------------------------------------------
-    def read_state(self) -> dict:
-        return read_json(self.root / STATE_FILE) or {}
+    # -- proxy state: one entry per slot ----------------------------------
+    def read_table(self) -> dict[int, dict]:
+        """Every slot's entry, by slot id (older state files migrated on the fly)."""
+        table = migrate_state(read_json(self.root / STATE_FILE), self.legacy_slot)["slots"]
+        found = {}
+        for key, entry in table.items():
+            try:
+                found[int(key)] = entry
+            except ValueError:
+                continue
+        return found
 
-    def write_state(self, state: dict) -> None:
-        _write_or_storage_error(self.root / STATE_FILE, state)
+    def read_state(self, slot: int | None = None) -> dict:
+        """The entry of one slot (default: the first slot kvproxy drives); {} when none."""
+        return dict(self.read_table().get(self.legacy_slot if slot is None else slot) or {})
+
+    def write_state(self, state: dict, slot: int | None = None) -> None:
+        """Replace one slot's entry, leaving the other slots' entries as they are."""
+        self.change_table(lambda table: table.__setitem__(
+            self.legacy_slot if slot is None else slot, dict(state)))
+
+    def change_table(self, change: Callable[[dict[int, dict]], Any]) -> Any:
+        """Read the table, let ``change`` edit it in place, write it; all under the table's
+        own short lock. Returns what ``change`` returned."""
+        try:
+            with self._table_thread_lock, self._table_file_lock.acquire(timeout=30):
+                table = self.read_table()
+                result = change(table)
+                _write_or_storage_error(self.root / STATE_FILE, {
+                    "format": STATE_FORMAT,
+                    "slots": {str(k): v for k, v in sorted(table.items())}})
+                return result
+        except filelock.Timeout as exc:
+            raise StorageError("the state file's lock stayed taken for 30 s") from exc
+        except OSError as exc:
+            raise StorageError(f"cannot lock the state file: {exc.strerror or exc}") from exc
+
+    def migrate_state_file(self) -> bool:
+        """Write an older state file in the current format (at start); True when it changed."""
+        raw = read_json(self.root / STATE_FILE)
+        if not raw or raw.get("format") == STATE_FORMAT:
+            return False
+        self.change_table(lambda table: None)
+        return True
 
 
 def _write_or_storage_error(path: Path, data: Any) -> None:

@@ -27,13 +27,15 @@ Flask.test_client_class = ClosingClient
 
 
 class Stack:
-    """llama-server plus kvproxy (gunicorn, as in production) over one slot folder."""
+    """llama-server plus kvproxy (gunicorn, as in production) over one slot folder;
+    ``slots`` llama-server slots (``-np``), ``llama_args`` for anything else it takes."""
 
-    def __init__(self, tmp: Path, model: str | None = None, **proxy_env: str):
+    def __init__(self, tmp: Path, model: str | None = None, slots: int = 1,
+                 llama_args: dict | None = None, **proxy_env: str):
         self.slot_dir = tmp / "slots"
         self.log_dir = tmp
-        self.llama = LlamaServer(str(self.slot_dir), model=model,
-                                 log_path=str(tmp / "llama-server.log"))
+        self.llama = LlamaServer(str(self.slot_dir), model=model, slots=slots,
+                                 log_path=str(tmp / "llama-server.log"), **(llama_args or {}))
         self.proxy = ProxyServer(self.llama.url, str(self.slot_dir),
                                  log_path=str(tmp / "proxy.log"),
                                  env={"KVPROXY_LOCK_TIMEOUT": "120", **proxy_env})

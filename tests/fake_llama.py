@@ -23,12 +23,22 @@ MODELS = {"object": "list", "data": [{"id": "tiny.gguf", "object": "model", "cre
 
 
 class FakeLlama:
-    def __init__(self, mock: responses.RequestsMock, slot_dir: Path):
+    """llama-server with ``n_slots`` slots (``-np``); ``tokens`` is slot 0's count, ``held``
+    every slot's; ``actions`` lists slot actions, ``slot_actions`` them with their slot,
+    ``pinned`` the ``id_slot`` of every generation request."""
+
+    def __init__(self, mock: responses.RequestsMock, slot_dir: Path, n_slots: int = 1,
+                 n_ctx: int = 8192):
         self.mock = mock
         self.slot_dir = Path(slot_dir)
         self.actions: list[tuple[str, str | None]] = []
-        self.tokens = 0            # tokens the slot holds
+        self.slot_actions: list[tuple[int, str, str | None]] = []
+        self.pinned: list[int | None] = []
+        self.held = [0] * n_slots   # tokens each slot holds
+        self.n_ctx = n_ctx          # per slot
         self.props = copy.deepcopy(PROPS)
+        self.props["total_slots"] = n_slots
+        self.props["default_generation_settings"]["n_ctx"] = n_ctx
         self.models = copy.deepcopy(MODELS)
         self.fail_restore = False
         self.fail_save = False
@@ -40,13 +50,14 @@ class FakeLlama:
         # When set, saves write llama-server's real layout with these token ids at the head.
         self.slot_token_ids: list[int] | None = None
         self.prefills: list[list[int]] = []
-        mock.add_callback(responses.POST, re.compile(rf"{UPSTREAM}/slots/0\?action=\w+"),
+        mock.add_callback(responses.POST, re.compile(rf"{UPSTREAM}/slots/\d+\?action=\w+"),
                           callback=self._slot)
         mock.add_callback(responses.GET, f"{UPSTREAM}/props", callback=lambda r: self._json(self.props))
         mock.add_callback(responses.GET, f"{UPSTREAM}/v1/models",
                           callback=lambda r: self._json(self.models))
         mock.add_callback(responses.GET, f"{UPSTREAM}/slots",
-                          callback=lambda r: self._json([self.slot_entry()]))
+                          callback=lambda r: self._json([self.slot_entry(i)
+                                                         for i in range(len(self.held))]))
         mock.add(responses.GET, f"{UPSTREAM}/health", json={"status": "ok"})
         mock.add_callback(responses.POST, f"{UPSTREAM}/v1/chat/completions", callback=self._chat)
         mock.add_callback(responses.POST, f"{UPSTREAM}/v1/completions", callback=self._text)
@@ -55,19 +66,33 @@ class FakeLlama:
                           match=[matchers.json_params_matcher({"n_predict": 0},
                                                               strict_match=False)])
 
+    @property
+    def tokens(self) -> int:
+        """Tokens slot 0 holds."""
+        return self.held[0]
+
+    @tokens.setter
+    def tokens(self, value: int) -> None:
+        self.held[0] = value
+
+    def _slot_of(self, body: dict) -> int:
+        slot = body.get("id_slot")
+        self.pinned.append(slot)
+        return slot % len(self.held) if isinstance(slot, int) and slot >= 0 else 0
+
     def _prefill(self, request):
         body = json.loads(request.body)
         self.prefills.append(body["prompt"])
-        self.tokens = len(body["prompt"])
-        return self._json({"content": "", "timings": {"cache_n": 0, "prompt_n": self.tokens,
+        self.held[self._slot_of(body)] = len(body["prompt"])
+        return self._json({"content": "", "timings": {"cache_n": 0, "prompt_n": len(body["prompt"]),
                                                       "predicted_n": 0}})
 
-    def slot_entry(self) -> dict:
+    def slot_entry(self, slot: int = 0) -> dict:
         """As llama-server lists it: no id_task until a task ran since start."""
-        if self.tokens == 0:
-            return {"id": 0, "n_ctx": 8192, "is_processing": False}
-        return {"id": 0, "n_ctx": 8192, "is_processing": False, "id_task": 1,
-                "n_prompt_tokens": self.tokens}
+        if self.held[slot] == 0:
+            return {"id": slot, "n_ctx": self.n_ctx, "is_processing": False}
+        return {"id": slot, "n_ctx": self.n_ctx, "is_processing": False, "id_task": 1,
+                "n_prompt_tokens": self.held[slot]}
 
     @staticmethod
     def _json(body, status=200):
@@ -75,8 +100,15 @@ class FakeLlama:
 
     def _slot(self, request):
         action = request.url.split("action=")[1]
+        slot = int(request.url.split("/slots/")[1].split("?")[0]) % len(self.held)
         filename = json.loads(request.body or b"{}").get("filename")
         self.actions.append((action, filename))
+        self.slot_actions.append((slot, action, filename))
+        return self._slot_action(slot, action, filename)
+
+    def _slot_action(self, slot, action, filename):
+        def tokens_now():
+            return self.held[slot]
         if action == "save" and self.fail_save:
             return self._json({"error": {"code": 500, "message": "failed to save slot",
                                          "type": "server_error"}}, 500)
@@ -91,39 +123,39 @@ class FakeLlama:
                 return self._json({"error": {"code": 500, "message": "Unable to save slot",
                                              "type": "server_error"}}, 500)
             if self.slot_token_ids is not None:
-                ids = self.slot_token_ids[:self.tokens]
+                ids = self.slot_token_ids[:tokens_now()]
                 data = struct.pack(f"<III{len(ids)}i", 0x67677371, 4, len(ids), *ids)
-                data += bytes(max(0, self.tokens + 4 - len(data)))
+                data += bytes(max(0, tokens_now() + 4 - len(data)))
             else:
-                data = b"ggsq" + bytes(self.tokens)
+                data = b"ggsq" + bytes(tokens_now())
             written = len(data)
             if self.save_fault == "short":
                 data = data[:3]
             (self.slot_dir / filename).write_bytes(data)
-            return self._json({"id_slot": 0, "filename": filename, "n_saved": self.tokens,
+            return self._json({"id_slot": slot, "filename": filename, "n_saved": tokens_now(),
                                "n_written": written,
                                **({"timings": {"save_ms": 1.234}} if self.slot_timings else {})})
         if action == "restore":
             path = self.slot_dir / filename
             if self.fail_restore or not path.exists():
-                self.tokens = 0
+                self.held[slot] = 0
                 return self._json({"error": {"code": 400, "message": "Unable to restore slot",
                                              "type": "invalid_request_error"}}, 400)
             head = path.read_bytes()
             if head[:4] == b"ggsq":
-                self.tokens = len(head) - 4
+                self.held[slot] = len(head) - 4
             else:
-                self.tokens = struct.unpack("<III", head[:12])[2]
-            return self._json({"id_slot": 0, "filename": filename, "n_restored": self.tokens,
-                               "n_read": self.tokens + 4,
+                self.held[slot] = struct.unpack("<III", head[:12])[2]
+            return self._json({"id_slot": slot, "filename": filename, "n_restored": tokens_now(),
+                               "n_read": tokens_now() + 4,
                                **({"timings": {"restore_ms": 0.456}} if self.slot_timings else {})})
-        erased, self.tokens = self.tokens, 0
-        return self._json({"id_slot": 0, "n_erased": erased})
+        erased, self.held[slot] = self.held[slot], 0
+        return self._json({"id_slot": slot, "n_erased": erased})
 
     def _chat(self, request):
         body = json.loads(request.body)
         timings = dict(self.chat_timings)
-        self.tokens = timings["cache_n"] + timings["prompt_n"] + timings["predicted_n"]
+        self.held[self._slot_of(body)] = timings["cache_n"] + timings["prompt_n"] + timings["predicted_n"]
         message = {"role": "assistant", "content": "ok"}
         if body.get("stream"):
             chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": "ok"}}]},
@@ -141,7 +173,7 @@ class FakeLlama:
         """/v1/completions: the same answer as text chunks, timings on the last one."""
         body = json.loads(request.body)
         timings = dict(self.chat_timings)
-        self.tokens = timings["cache_n"] + timings["prompt_n"] + timings["predicted_n"]
+        self.held[self._slot_of(body)] = timings["cache_n"] + timings["prompt_n"] + timings["predicted_n"]
         if body.get("stream"):
             chunks = [{"choices": [{"index": 0, "text": "ok"}]},
                       {"choices": [{"index": 0, "text": "", "finish_reason": "stop"}],

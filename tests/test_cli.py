@@ -72,7 +72,7 @@ def test_rm_then_rm_again_is_not_found(served, capsys):
 
 def test_clear_empties_the_slot(served, capsys):
     code, out, _ = run(capsys, "clear", "--json")
-    assert code == 0 and json.loads(out) == {"session_id": "default", "cleared": True}
+    assert code == 0 and json.loads(out) == {"session_id": "default", "cleared": True, "slots": [0]}
     code, out, _ = run(capsys, "ps", "--json")
     assert json.loads(out)["slots"][0]["session_id"] == "default"
 

@@ -159,6 +159,8 @@ def test_units_share_user_folder_and_settings():
     assert env["KVPROXY_UPSTREAM"] == f"http://127.0.0.1:{env['LLAMA_PORT']}"
     assert "--port ${LLAMA_PORT}" in llama["Service"]["ExecStart"]
     assert env["LLAMA_SLOTS"] == "1"
+    # kvproxy pins every request to a slot: llama-server's own similarity pick stays off.
+    assert "--slot-prompt-similarity 0" in llama["Service"]["ExecStart"]
 
 
 def test_kvproxy_starts_after_and_stops_before_llama_server():

@@ -130,8 +130,10 @@ def test_the_state_never_names_a_session_the_slot_does_not_hold(tmp_path, fake, 
 
     def failing_final_state_write(path, data):
         if path.name == store_module.STATE_FILE:
-            state_writes.append(data.get("active"))
-            if data.get("active") == "B":
+            entry = data["slots"]["0"]
+            state_writes.append(entry.get("active"))
+            # The claim (B, unproven) goes through; the write saying B is in the slot fails.
+            if entry.get("active") == "B" and not entry.get("slot_unknown"):
                 raise OSError(errno.ENOSPC, "No space left on device")
         return real_write(path, data)
 

@@ -68,7 +68,7 @@ def test_responses_usage_is_recorded_as_timings(app, fake, tmp_path):
     answer_responses(fake)
     reply = app.test_client().post("/v1/responses", json={"input": "x", "prompt_cache_key": "k"})
     assert reply.status_code == 200 and reply.headers["X-KVProxy-Session"] == "k"
-    state = json.loads((tmp_path / ".kvproxy-state.json").read_text())
+    state = json.loads((tmp_path / ".kvproxy-state.json").read_text())["slots"]["0"]
     assert state["active"] == "k" and state["slot_tokens"] == 32
     sidecar = json.loads(next(tmp_path.glob("client_k-*.json")).read_text())
     assert (sidecar["last_cache_n"], sidecar["last_prompt_n"]) == (20, 10)

@@ -46,7 +46,7 @@ def test_embeddings_run_as_an_unsaved_side_request(client, fake, tmp_path, caplo
     assert "swap to session=side source=side-request cache=miss" in caplog.text
     assert reply.status_code == 200 and reply.json["embeddings"] == [[1.0, 0.0]]
     sent = [json.loads(c.request.body) for c in fake.mock.calls if c.request.url.endswith("/embeddings")]
-    assert sent == [{"input": ["hello"], "model": "tiny.gguf"}]
+    assert sent == [{"input": ["hello"], "model": "tiny.gguf", "id_slot": 0}]  # pinned
     assert chat(client, "talk").headers["X-KVProxy-Cache"] == "restored"  # the slot is free again
     assert [a for a, _ in fake.actions] == ["erase", "save", "erase", "restore"], \
         "the side request's slot is never saved"

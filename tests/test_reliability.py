@@ -40,7 +40,7 @@ def test_past_the_waiter_bound_a_request_gets_503_at_once(tmp_path, fake):
     waiters = [threading.Thread(target=lambda: results.append(switch.acquire(B))) for _ in range(2)]
     for thread in waiters:
         thread.start()
-    wait_until(lambda: switch.lock.waiting == 2)
+    wait_until(lambda: switch.pool.waiting == 2)
     started = time.monotonic()
     with pytest.raises(SlotBusy) as busy:
         switch.acquire(B)
@@ -51,7 +51,7 @@ def test_past_the_waiter_bound_a_request_gets_503_at_once(tmp_path, fake):
         wait_until(lambda: bool(results))
         switch.release(results.pop())
         thread.join(5)
-    assert switch.lock.waiting == 0 and not switch.lock.thread_lock.locked()
+    assert switch.pool.waiting == 0 and not switch.lock.thread_lock.locked()
 
 
 def test_queue_full_is_503_with_retry_after_in_each_api_format(tmp_path, fake):
@@ -83,7 +83,7 @@ def test_health_metrics_and_admin_reads_answer_while_every_chat_thread_waits(tmp
     for thread in chats:
         thread.start()
     try:
-        wait_until(lambda: switch.lock.waiting == 8)
+        wait_until(lambda: switch.pool.waiting == 8)
         client = app.test_client()
         for path in ("/health", "/metrics", "/api/sessions", "/api/sessions/current"):
             started = time.monotonic()
@@ -120,7 +120,7 @@ def test_client_that_left_while_waiting_costs_no_swap(tmp_path, fake):
 
     thread = threading.Thread(target=waiting)
     thread.start()
-    wait_until(lambda: switch.lock.waiting == 1)
+    wait_until(lambda: switch.pool.waiting == 1)
     client_end.close()                          # the client gives up
     actions_before = list(fake.actions)
     switch.release(held)

@@ -23,7 +23,9 @@ SYSTEM = long_text(600, seed=7101)     # about 800 tokens
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    s = Stack(tmp_path_factory.mktemp("reliability"), KVPROXY_MAX_WAITERS="3",
+    # Four waiters: the ghost and three chats below. (A request waiting for a slot that
+    # another process holds counts as a waiter like any other.)
+    s = Stack(tmp_path_factory.mktemp("reliability"), KVPROXY_MAX_WAITERS="4",
               KVPROXY_LOCK_TIMEOUT="60").start()
     yield s
     s.stop()

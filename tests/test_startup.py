@@ -49,8 +49,23 @@ def test_a_slot_id_llama_server_does_not_have_stops_start_up(tmp_path, mock):
     fake = FakeLlama(mock, tmp_path)
     fake.props = {**fake.props, "total_slots": 2}
     with pytest.raises(ContractError, match="KVPROXY_SLOT_ID=2, but llama-server has 2 slot"):
-        check_at_start(make_app(tmp_path, slot_id=2))
+        check_at_start(make_app(tmp_path, slot_id=2, slots=1))
     assert not fake.actions, "nothing is saved into a wrapped slot id"
+
+
+def test_more_slots_than_llama_server_has_stops_start_up(tmp_path, mock):
+    fake = FakeLlama(mock, tmp_path, n_slots=2)
+    with pytest.raises(ContractError, match="KVPROXY_SLOTS=3, but llama-server has 2 slot.*-np 3"):
+        check_at_start(make_app(tmp_path, slots=3))
+    assert not fake.actions
+
+
+def test_without_a_slot_count_kvproxy_drives_every_slot_llama_server_has(tmp_path, mock):
+    FakeLlama(mock, tmp_path, n_slots=3)
+    app = make_app(tmp_path)
+    check_at_start(app)
+    assert app.extensions["kvproxy.switch"].slot_ids() == [0, 1, 2]
+    assert [s["id"] for s in app.test_client().get("/api/slots").get_json()] == [0, 1, 2]
 
 
 def test_llama_server_down_at_start_then_health_reports_the_mismatch(tmp_path, mock, monkeypatch):

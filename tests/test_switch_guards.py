@@ -2,6 +2,8 @@
 the save at shutdown, restart detection after an empty start, every part of the model
 fingerprint, the cross-process lock, the restore-miss streak, clear() on ``default``,
 and eviction as /metrics counts it."""
+import logging
+
 import pytest
 import responses
 from prometheus_client.parser import text_string_to_metric_families
@@ -73,6 +75,25 @@ def test_an_emptied_slot_that_started_empty_is_not_saved_over_the_session(tmp_pa
 
 
 # -- the model fingerprint ---------------------------------------------------------
+def test_a_file_with_more_tokens_than_the_slot_is_never_restored(tmp_path, fake, caplog):
+    """The sidecar's token count against the slot's n_ctx from /slots (llama-server would
+    fail the restore and leave the slot wiped)."""
+    switch = make_switch(tmp_path)
+    answer(switch, A, fake, 3000)
+    answer(switch, B, fake, 5000)
+    answer(switch, DEFAULT, fake, 10)  # B saved
+    fake.n_ctx = 4096                  # /slots shows a smaller slot than /props reports
+    fake.tokens = 0
+    switch = make_switch(tmp_path)
+    assert answer(switch, A, fake, 3001).cache == RESTORED, "3000 tokens fit a 4096-token slot"
+    with caplog.at_level(logging.WARNING, logger="kvproxy.switch"):
+        lease = answer(switch, B, fake, 20)
+    assert lease.cache == MISS and ("restore", f"{B.stem}.bin") not in fake.actions
+    refused = SessionStore(tmp_path).read_sidecar(B.stem)["refused"]
+    assert "5000 tokens" in refused and "4096" in refused
+    assert "5000 tokens, more than the 4096-token context of slot 0" in caplog.text
+
+
 def _change_model(fake, part: str) -> None:
     settings = fake.props["default_generation_settings"]
     meta = fake.models["data"][0]["meta"]

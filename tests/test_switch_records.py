@@ -179,7 +179,7 @@ def test_checkpoint_without_llama_server_says_so(tmp_path, fake, caplog):
     with caplog.at_level(logging.WARNING, logger="kvproxy.switch"):
         assert switch.checkpoint() is False
     [line] = [m for m in messages(caplog) if m.startswith("could not save the active session")]
-    assert line == "could not save the active session at shutdown: loading"  # llama-server's reason
+    assert line == "could not save the active session of slot 0 at shutdown: loading"  # its reason
 
 
 # -- clear and forget ----------------------------------------------------------------

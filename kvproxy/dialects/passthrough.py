@@ -12,6 +12,7 @@ one is set, like the session admin API.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -21,6 +22,7 @@ import requests
 from flask import Blueprint, Response, current_app, request
 
 from ..identity import SIDE_SESSION, Session
+from ..relay import pinned
 from .common import HANDLED, failure, relay
 from .openai import render_error
 
@@ -93,7 +95,7 @@ def _forward(route: Route) -> Response:
         if side:
             lease = relay().switch.acquire(Session(SIDE_SESSION, "side-request", persistent=False))
         upstream = client.forward(request.method, request.path, query=request.query_string,
-                                  data=request.get_data(),
+                                  data=pinned_data(request.get_data(), lease),
                                   content_type=request.headers.get("Content-Type"),
                                   read_timeout=None if side else PLAIN_READ_TIMEOUT,
                                   slot_call=side)
@@ -117,6 +119,18 @@ def _forward(route: Route) -> Response:
         relay().switch.release(lease)
     return Response(content, status=upstream.status_code,
                     headers={**headers, **lease.headers()})
+
+
+def pinned_data(data: bytes, lease) -> bytes:
+    """A side request's JSON object body pinned to its leased slot (``id_slot``), so
+    llama-server does not pick an idle slot that holds a conversation; else as sent."""
+    if lease is None or not data:
+        return data
+    try:
+        body = json.loads(data)
+    except ValueError:
+        return data
+    return json.dumps(pinned(body, lease.slot)).encode() if isinstance(body, dict) else data
 
 
 def _chunks(upstream: requests.Response) -> Iterator[bytes]:

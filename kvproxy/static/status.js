@@ -169,7 +169,7 @@ function renderSlots(slots) {
     <td>${s.id}</td><td class="id session">${esc(s.session_id)}</td>
     <td><span class="badge ${s.busy ? "busy" : "idle"}">${s.busy ? "busy" : "idle"}</span></td>
     <td class="num">${num(s.tokens)}${s.n_ctx ? ` / ${num(s.n_ctx)}` : ""}</td>
-    <td class="opt">${esc(ago(s.since))}</td>
+    <td class="opt">${esc(ago(s.busy && s.busy_since ? s.busy_since : (s.last_used_at || s.since)))}</td>
     <td><button type="button" data-action="clear">Clear</button></td></tr>`).join("");
 }
 
@@ -330,9 +330,12 @@ function wire() {
     act("DELETE", `api/sessions/${encodeURIComponent(id)}`, `Deleted session ${id}.`);
   });
   $("slots").addEventListener("click", (event) => {
-    if (!event.target.closest("button[data-action=clear]")) return;
-    if (!confirm("Clear the slot? The session it holds is saved first.")) return;
-    act("POST", "api/sessions/clear", "Slot cleared.");
+    const button = event.target.closest("button[data-action=clear]");
+    if (!button) return;
+    const slot = Number(button.closest("tr").dataset.slot);
+    if (!Number.isInteger(slot)) return;
+    if (!confirm(`Clear slot ${slot}? The session it holds is saved first.`)) return;
+    act("POST", `api/sessions/clear?slot=${slot}`, `Slot ${slot} cleared.`);
   });
   $("reset-restore-check").addEventListener("click", () => act("POST", RESTORE_CHECK_RESET, "Restore check reset."));
   document.addEventListener("visibilitychange", () => { if (!document.hidden) refresh(); });

@@ -1,0 +1,90 @@
+"""Where a request runs when llama-server has several slots: one pure decision.
+
+Given what each slot holds (the state table), which slots are busy and the
+request's session, ``place`` answers with a slot and what must happen there
+first, or with "wait". The order, cheapest first:
+
+1. the slot that already holds the session (busy: wait for that slot, so a
+   session never runs in two slots at once);
+2. an idle slot that holds nothing kvproxy must keep (empty, a side request,
+   ``default``), lowest id first;
+3. the least recently used idle slot, whose session is saved first;
+4. wait for the first slot to free.
+
+``queue_order`` applies it to the requests waiting in one process, first come
+first served: each takes its slot out of the idle set before the next looks.
+No I/O here; ``kvproxy.slots`` carries the decision out.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+HOLDER, FREE, EVICT, WAIT = "holder", "free", "evict", "wait"
+
+
+@dataclass(frozen=True)
+class SlotFacts:
+    """One slot as the placement sees it."""
+
+    id: int
+    key: str | None = None        # the session key the table says the slot holds
+    persistent: bool = False      # that session has a file worth saving
+    used_at: str = ""             # ISO time of its last use: least recently used goes first
+    busy: bool = False            # a request (of any process) holds the slot now
+
+
+@dataclass(frozen=True)
+class Placement:
+    action: str                   # HOLDER, FREE, EVICT or WAIT
+    slot: int | None = None       # where to run (None: wait)
+    save_first: bool = False      # the slot holds another persistent session: save it first
+
+    @property
+    def waits(self) -> bool:
+        return self.slot is None
+
+
+def facts_from_table(table: Mapping[int, dict], slot_ids: Iterable[int],
+                     busy: Iterable[int]) -> list[SlotFacts]:
+    """The placement's view of the state table (per-slot entries) and the busy slots."""
+    busy = set(busy)
+    facts = []
+    for slot in slot_ids:
+        entry = table.get(slot) or {}
+        key = entry.get("active_key") if entry.get("active") else None
+        facts.append(SlotFacts(slot, key, bool(entry.get("active_persistent")) and key is not None,
+                               entry.get("used_at") or entry.get("updated_at") or "",
+                               slot in busy))
+    return facts
+
+
+def place(slots: list[SlotFacts], key: str | None, side: bool = False) -> Placement:
+    """Decide where a request for session ``key`` runs (``side``: never saved, holds nothing)."""
+    if not side and key is not None:
+        holder = next((s for s in slots if s.key == key), None)
+        if holder is not None:
+            return Placement(WAIT) if holder.busy else Placement(HOLDER, holder.id)
+    idle = [s for s in slots if not s.busy]
+    free = [s for s in idle if not s.persistent]
+    if free:
+        return Placement(FREE, min(free, key=lambda s: s.id).id)
+    if idle:
+        victim = min(idle, key=lambda s: (s.used_at, s.id))
+        return Placement(EVICT, victim.id, save_first=True)
+    return Placement(WAIT)
+
+
+def queue_order(slots: list[SlotFacts], waiting: list[tuple[str | None, bool]],
+                mine: int) -> Placement:
+    """The placement of waiter number ``mine`` when earlier waiters (``(key, side)`` in arrival
+    order) go first: each slot an earlier waiter would take counts as busy for the later ones."""
+    view = list(slots)
+    for index, (key, side) in enumerate(waiting[:mine + 1]):
+        decision = place(view, key, side)
+        if index == mine:
+            return decision
+        if decision.slot is not None:
+            view = [SlotFacts(s.id, s.key, s.persistent, s.used_at, True) if s.id == decision.slot
+                    else s for s in view]
+    return Placement(WAIT)

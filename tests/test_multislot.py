@@ -1,0 +1,249 @@
+"""Several slots on a stubbed llama-server: placement carried out, pinning, busy slots never
+touched, processes sharing the folder, and the single-slot state file migrated."""
+import json
+import threading
+import time
+
+import pytest
+import responses
+
+from kvproxy import create_app
+from kvproxy.identity import Session
+from kvproxy.llama import LlamaClient
+from kvproxy.store import STATE_FILE, STATE_FORMAT, SessionStore
+from kvproxy.switch import HIT, MISS, RESTORED, SlotBusy, SlotSwitch
+from tests.fake_llama import UPSTREAM, FakeLlama
+
+A = Session("A", "test")
+B = Session("B", "test")
+C = Session("C", "test")
+SIDE = Session("side", "side-request", persistent=False)
+
+
+@pytest.fixture
+def mock():
+    with responses.RequestsMock(assert_all_requests_are_fired=False) as m:
+        yield m
+
+
+def fake_with(mock, tmp_path, n_slots):
+    return FakeLlama(mock, tmp_path, n_slots=n_slots)
+
+
+def switch_over(tmp_path, slots=0, **kwargs):
+    """A switch as the app builds it: slot count 0 means 'ask llama-server'."""
+    kwargs.setdefault("base_snapshots", False)
+    return SlotSwitch(LlamaClient(UPSTREAM), SessionStore(tmp_path), slots=slots, **kwargs)
+
+
+def answer(switch, session, fake, tokens=20):
+    lease = switch.acquire(session)
+    fake.held[lease.slot] = tokens
+    switch.release(lease, {"cache_n": 0, "prompt_n": tokens - 1, "predicted_n": 1})
+    return lease
+
+
+def actions_on(fake, slot):
+    return [(a, f) for s, a, f in fake.slot_actions if s == slot]
+
+
+def test_the_slot_count_comes_from_llama_server_unless_set(mock, tmp_path):
+    fake_with(mock, tmp_path, 3)
+    assert switch_over(tmp_path).slot_ids() == [0, 1, 2]
+    assert switch_over(tmp_path, slots=2).slot_ids() == [0, 1]
+    assert switch_over(tmp_path, slots=1, slot_id=2).slot_ids() == [2]
+
+
+def test_two_sessions_hold_a_slot_each_and_run_at_the_same_time(mock, tmp_path):
+    fake = fake_with(mock, tmp_path, 2)
+    switch = switch_over(tmp_path)
+    first = switch.acquire(A)
+    second = switch.acquire(B)       # would block with one slot
+    assert {first.slot, second.slot} == {0, 1}
+    assert first.cache == second.cache == MISS
+    fake.held[first.slot] = fake.held[second.slot] = 20
+    switch.release(first, {"cache_n": 0, "prompt_n": 19, "predicted_n": 1})
+    switch.release(second, {"cache_n": 0, "prompt_n": 19, "predicted_n": 1})
+    assert [a for a, _ in fake.actions] == ["erase", "erase"], "nothing saved, nothing restored"
+    again = answer(switch, B, fake)
+    assert again.cache == HIT and again.slot == second.slot
+
+
+def test_a_third_session_takes_the_least_recently_used_slot_after_saving_it(mock, tmp_path):
+    fake = fake_with(mock, tmp_path, 2)
+    switch = switch_over(tmp_path)
+    slot_a = answer(switch, A, fake).slot
+    slot_b = answer(switch, B, fake).slot
+    time.sleep(0.01)
+    assert answer(switch, A, fake).cache == HIT          # B is now the least recently used
+    lease_c = answer(switch, C, fake)
+    assert lease_c.slot == slot_b
+    assert actions_on(fake, slot_b)[-2:] == [("save", f"{B.stem}.saving.bin"), ("erase", None)]
+    assert actions_on(fake, slot_a) == [("erase", None)], "A's slot untouched"
+    back = answer(switch, B, fake)                       # A is now the LRU: saved, B restored
+    assert back.cache == RESTORED and back.slot == slot_a
+    assert ("save", f"{A.stem}.saving.bin") in actions_on(fake, slot_a)
+
+
+def test_a_busy_slot_is_never_touched_and_the_waiter_takes_the_first_to_free(mock, tmp_path):
+    fake = fake_with(mock, tmp_path, 2)
+    switch = switch_over(tmp_path, lock_timeout=10)
+    held_a, held_b = switch.acquire(A), switch.acquire(B)
+    before = list(fake.slot_actions)
+    outcome = []
+    waiter = threading.Thread(target=lambda: outcome.append(switch.acquire(C)))
+    waiter.start()
+    deadline = time.monotonic() + 5
+    while switch.pool.waiting == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert switch.pool.waiting == 1
+    time.sleep(0.3)
+    assert fake.slot_actions == before, "no slot action while both slots are busy"
+    fake.held[held_b.slot] = 30
+    switch.release(held_b, {"cache_n": 0, "prompt_n": 29, "predicted_n": 1})
+    waiter.join(5)
+    assert outcome and outcome[0].slot == held_b.slot
+    assert actions_on(fake, held_a.slot) == [("erase", None)], "A's busy slot was left alone"
+    switch.release(outcome[0])
+    switch.release(held_a)
+
+
+def test_a_session_waits_for_its_own_busy_slot_rather_than_taking_another(mock, tmp_path):
+    fake = fake_with(mock, tmp_path, 2)
+    switch = switch_over(tmp_path, lock_timeout=0.4)
+    held = switch.acquire(A)
+    with pytest.raises(SlotBusy):
+        switch.acquire(A)   # slot 1 is idle, but A must never run in two slots
+    assert actions_on(fake, 1) == []
+    switch.release(held)
+
+
+def test_a_side_request_runs_beside_a_conversation_without_costing_anyone_a_save(mock, tmp_path):
+    fake = fake_with(mock, tmp_path, 2)
+    switch = switch_over(tmp_path, lock_timeout=1)
+    conversation = switch.acquire(A)
+    side = switch.acquire(SIDE)      # while A streams
+    assert side.slot != conversation.slot
+    assert not [a for a, _ in fake.actions if a == "save"]
+    switch.release(side)
+    switch.release(conversation)
+
+
+def test_a_side_request_saves_the_conversation_whose_idle_slot_it_takes(mock, tmp_path):
+    fake = fake_with(mock, tmp_path, 2)
+    switch = switch_over(tmp_path, lock_timeout=1)
+    answer(switch, A, fake)
+    held_b = switch.acquire(B)
+    side = switch.acquire(SIDE)
+    slot_a = 1 - held_b.slot
+    assert side.slot == slot_a
+    assert ("save", f"{A.stem}.saving.bin") in actions_on(fake, slot_a)
+    switch.release(side)
+    switch.release(held_b)
+    assert answer(switch, A, fake).cache == RESTORED
+
+
+def test_every_request_through_the_app_is_pinned_to_its_slot(mock, tmp_path):
+    fake = fake_with(mock, tmp_path, 2)
+    client = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM,
+                         "base_snapshots": False}).test_client()
+    sessions = ["one", "two", "one", "two"]
+    for name in sessions:
+        reply = client.post("/v1/chat/completions", headers={"X-Session-Id": name},
+                            json={"messages": [{"role": "user", "content": "hi"}]})
+        assert reply.status_code == 200
+    assert fake.pinned == [0, 1, 0, 1]
+    table = SessionStore(tmp_path).read_table()
+    assert {table[0]["active"], table[1]["active"]} == {"one", "two"}
+    slots = client.get("/api/slots").get_json()
+    assert [(s["id"], s["session_id"], s["busy"]) for s in slots] == \
+        [(0, "one", False), (1, "two", False)]
+
+
+def test_two_processes_on_one_folder_never_share_a_slot(mock, tmp_path):
+    fake = fake_with(mock, tmp_path, 2)
+    first, second = switch_over(tmp_path, lock_timeout=2), switch_over(tmp_path, lock_timeout=2)
+    held = first.acquire(A)
+    other = second.acquire(B)        # the table shows slot 0 idle to it; its lock does not
+    assert other.slot != held.slot
+    second.release(other)
+    started = time.monotonic()
+    outcome = []
+    waiter = threading.Thread(target=lambda: outcome.append(second.acquire(A)))
+    waiter.start()
+    time.sleep(0.3)
+    assert not outcome, "A is busy in the other process: the second waits for that slot"
+    fake.held[held.slot] = 20
+    first.release(held, {"cache_n": 0, "prompt_n": 19, "predicted_n": 1})
+    waiter.join(5)
+    assert outcome and outcome[0].slot == held.slot and outcome[0].cache == HIT
+    assert time.monotonic() - started < 3
+    second.release(outcome[0])
+
+
+def test_a_session_another_process_put_elsewhere_is_followed_there(mock, tmp_path):
+    fake = fake_with(mock, tmp_path, 2)
+    first = switch_over(tmp_path)
+    answer(first, A, fake)                 # slot 0
+    second = switch_over(tmp_path)
+    # The second process decided on slot 1 before it saw A's entry: the claim sends it on.
+    from kvproxy.switch import HeldElsewhere
+    with pytest.raises(HeldElsewhere):
+        second._swap_to(A, None, 1)
+    lease = second.acquire(A)
+    assert lease.slot == 0 and lease.cache == HIT
+    second.release(lease)
+
+
+def test_the_single_slot_state_file_is_migrated_without_losing_the_active_session(
+        mock, tmp_path):
+    fake = fake_with(mock, tmp_path, 2)
+    old = {"active": "A", "active_key": A.key, "active_stem": A.stem,
+           "active_persistent": True, "active_system_hash": None, "slot_tokens": 40,
+           "slot_unknown": False, "updated_at": "2026-01-01T00:00:00.000+00:00"}
+    (tmp_path / STATE_FILE).write_text(json.dumps(old))
+    fake.held[0] = 40                      # what the old kvproxy left in its slot
+    app = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM, "base_snapshots": False})
+    from kvproxy.startup import check_at_start
+    check_at_start(app)
+    written = json.loads((tmp_path / STATE_FILE).read_text())
+    assert written["format"] == STATE_FORMAT and written["slots"]["0"]["active"] == "A"
+    switch = app.extensions["kvproxy.switch"]
+    assert answer(switch, A, fake).cache == HIT, "the migrated slot still proves A"
+    held = switch.acquire(A)
+    lease_b = switch.acquire(B)            # slot 1, empty
+    assert lease_b.slot == 1
+    switch.release(lease_b)
+    switch.release(held)
+    switch.clear()
+    assert ("save", f"{A.stem}.saving.bin") in actions_on(fake, 0)
+    assert SessionStore(tmp_path).read_sidecar(A.stem)["n_tokens"] == 20
+
+
+def test_a_state_file_from_a_newer_kvproxy_trusts_nothing(mock, tmp_path):
+    fake = fake_with(mock, tmp_path, 1)
+    (tmp_path / STATE_FILE).write_text(json.dumps({"format": 99, "slots": {"0": {
+        "active": "A", "active_key": A.key, "active_persistent": True, "slot_tokens": 40}}}))
+    fake.held[0] = 40
+    switch = switch_over(tmp_path)
+    lease = switch.acquire(B)
+    assert lease.cache == MISS and not [a for a, _ in fake.actions if a == "save"]
+    switch.release(lease)
+
+
+def test_clear_takes_one_slot_or_all(mock, tmp_path):
+    fake = fake_with(mock, tmp_path, 2)
+    client = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM,
+                         "base_snapshots": False}).test_client()
+    for name in ("one", "two"):
+        client.post("/v1/chat/completions", headers={"X-Session-Id": name},
+                    json={"messages": [{"role": "user", "content": "hi"}]})
+    reply = client.post("/api/sessions/clear?slot=1")
+    assert reply.status_code == 200 and reply.get_json()["slots"] == [1]
+    table = SessionStore(tmp_path).read_table()
+    assert table[0]["active"] == "one" and table[1]["active"] == "default"
+    assert client.post("/api/sessions/clear?slot=7").status_code == 400
+    assert client.post("/api/sessions/clear").get_json()["slots"] == [0, 1]
+    assert all(e["active"] == "default" for e in SessionStore(tmp_path).read_table().values())
+    current = client.get("/api/sessions/current").get_json()
+    assert current["session_id"] == "default" and len(current["slots"]) == 2

@@ -1,0 +1,90 @@
+"""Where a request runs with several slots: the pure placement decision, table-driven."""
+import pytest
+
+from kvproxy.placement import (EVICT, FREE, HOLDER, WAIT, Placement, SlotFacts, facts_from_table,
+                               place, queue_order)
+
+
+def slots(*specs):
+    """``"A"``: idle slot holding persistent session A; ``"A*"``: the same, busy; ``"-"``: empty;
+    ``"side"``: holds a side request; used_at is the position unless a spec sets it."""
+    out = []
+    for i, spec in enumerate(specs):
+        used = f"2026-01-01T00:00:0{i}"
+        if isinstance(spec, tuple):
+            spec, used = spec
+        busy = spec.endswith("*")
+        name = spec.rstrip("*")
+        if name == "-":
+            out.append(SlotFacts(i, None, False, used, busy))
+        elif name == "side":
+            out.append(SlotFacts(i, "side", False, used, busy))
+        else:
+            out.append(SlotFacts(i, name, True, used, busy))
+    return out
+
+
+@pytest.mark.parametrize("table, key, side, expected", [
+    # the slot that holds the session, idle: a hit, wherever it is
+    (("A", "B"), "B", False, Placement(HOLDER, 1)),
+    (("A*", "B"), "B", False, Placement(HOLDER, 1)),
+    # the slot that holds it is busy: wait for it, never a second copy elsewhere
+    (("A", "B*", "-"), "B", False, Placement(WAIT)),
+    # an empty idle slot before any slot whose session would need saving
+    (("A", "-", "B"), "C", False, Placement(FREE, 1)),
+    (("A*", "-"), "C", False, Placement(FREE, 1)),
+    # a slot holding a side request's leftovers costs nothing either
+    (("A", "side"), "C", False, Placement(FREE, 1)),
+    # the lowest free id first
+    (("A", "-", "-"), "C", False, Placement(FREE, 1)),
+    # no free slot: the least recently used idle one, saved first
+    ((("A", "2026-01-01T00:00:09"), ("B", "2026-01-01T00:00:01"), "C"), "D", False,
+     Placement(EVICT, 1, save_first=True)),
+    (("A", "B*"), "C", False, Placement(EVICT, 0, save_first=True)),
+    # busy slots are never chosen, however old
+    ((("A*", "2000-01-01T00:00:00"), "B"), "C", False, Placement(EVICT, 1, save_first=True)),
+    # all busy: wait
+    (("A*", "B*"), "C", False, Placement(WAIT)),
+    (("-*",), "C", False, Placement(WAIT)),
+    # side requests: an empty slot first, never a conversation's slot while one is free
+    (("A*", "-"), "side", True, Placement(FREE, 1)),
+    (("A", "B", "-"), "side", True, Placement(FREE, 2)),
+    # ... else the LRU idle slot, whose conversation is saved first
+    (("A*", "B"), "side", True, Placement(EVICT, 1, save_first=True)),
+    (("A*", "B*"), "side", True, Placement(WAIT)),
+    # a side request is not bound to the slot another side request left (runs in parallel)
+    (("side*", "-"), "side", True, Placement(FREE, 1)),
+    # one slot behaves as kvproxy always did
+    (("A",), "A", False, Placement(HOLDER, 0)),
+    (("A",), "B", False, Placement(EVICT, 0, save_first=True)),
+    (("A*",), "B", False, Placement(WAIT)),
+    (("-",), "B", False, Placement(FREE, 0)),
+])
+def test_place(table, key, side, expected):
+    assert place(slots(*table), key, side) == expected
+
+
+def test_waiters_are_served_first_come_first_served():
+    view = slots("A*", "-", "B")
+    waiting = [("C", False), ("D", False), ("E", False)]
+    assert queue_order(view, waiting, 0) == Placement(FREE, 1)
+    assert queue_order(view, waiting, 1) == Placement(EVICT, 2, save_first=True)
+    assert queue_order(view, waiting, 2) == Placement(WAIT)
+
+
+def test_a_waiter_for_its_busy_holder_does_not_block_the_ones_behind_it():
+    view = slots("A*", "-")
+    waiting = [("A", False), ("C", False)]
+    assert queue_order(view, waiting, 0) == Placement(WAIT)
+    assert queue_order(view, waiting, 1) == Placement(FREE, 1)
+
+
+def test_facts_from_the_state_table():
+    table = {0: {"active": "A", "active_key": "kA", "active_persistent": True,
+                 "used_at": "t1"},
+             1: {"active": "default", "active_key": "default", "active_persistent": False},
+             3: {"active": "Z", "active_key": "kZ", "active_persistent": True}}
+    facts = facts_from_table(table, [0, 1, 2], busy={1})
+    assert facts == [SlotFacts(0, "kA", True, "t1", False),
+                     SlotFacts(1, "default", False, "", True),
+                     SlotFacts(2, None, False, "", False)]  # slot 3 is not driven
