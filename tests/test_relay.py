@@ -249,7 +249,7 @@ def test_a_request_whose_client_left_while_waiting_costs_no_swap(tmp_path, fake)
     thread = threading.Thread(target=late)
     thread.start()
     deadline = time.monotonic() + 5
-    while relay.switch.lock.waiting != 1:
+    while relay.switch.pool.waiting != 1:
         assert time.monotonic() < deadline, "the request never waited"
         time.sleep(0.01)
     actions = list(fake.actions)

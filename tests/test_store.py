@@ -7,7 +7,7 @@ import pytest
 
 from kvproxy import store as store_module
 from kvproxy.disk import DiskBudget, is_leftover, sweep
-from kvproxy.store import STATE_FILE, SessionStore, StorageError, migrate_sidecar, write_json_beside
+from kvproxy.store import STATE_FILE, STATE_LOCK, SessionStore, StorageError, migrate_sidecar, write_json_beside
 
 
 def evict(store: SessionStore, max_bytes: int, keep: set[str]) -> list[tuple[str, int]]:
@@ -150,7 +150,9 @@ def test_a_failed_write_keeps_the_old_file_and_says_which_file_and_why(tmp_path,
     assert str(raised.value) == f"cannot write {STATE_FILE} in the slot folder: {reason}"
     monkeypatch.undo()
     assert store.read_state() == {"active": "a"}
-    assert [p.name for p in tmp_path.iterdir()] == [STATE_FILE], "the temporary file is removed"
+    # The state table's lock file stays by design; nothing else may be left beside the state.
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([STATE_FILE, STATE_LOCK]), \
+        "the temporary file is removed"
 
 
 @pytest.mark.parametrize("text", ['[1, 2]', '"text"', '{"format": 2}', '{"format": "2", "stem": "x"}',
