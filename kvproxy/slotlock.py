@@ -81,8 +81,7 @@ class SlotLock:
             raise self._busy(started, bound) from None
         except Exception as exc:  # noqa: BLE001 - read-only, full, lockless filesystems...
             self.thread_lock.release()
-            raise SlotUnavailable(f"the slot lock cannot be taken ({exc.__class__.__name__}: {exc}); "
-                                  f"check that the slot folder is writable") from exc
+            raise _lock_unusable(exc) from exc
         except BaseException:
             self.thread_lock.release()
             raise
@@ -101,8 +100,7 @@ class SlotLock:
             return False
         except Exception as exc:  # noqa: BLE001 - read-only, full, lockless filesystems...
             self.thread_lock.release()
-            raise SlotUnavailable(f"the slot lock cannot be taken ({exc.__class__.__name__}: {exc}); "
-                                  f"check that the slot folder is writable") from exc
+            raise _lock_unusable(exc) from exc
         except BaseException:
             self.thread_lock.release()
             raise
@@ -141,3 +139,9 @@ class SlotLock:
             self._file_lock.release()
         finally:
             self.thread_lock.release()
+
+
+def _lock_unusable(exc: Exception) -> SlotUnavailable:
+    """A lock error that is not a timeout: the folder, not a holder, is the problem."""
+    return SlotUnavailable(f"the slot lock cannot be taken ({exc.__class__.__name__}: {exc}); "
+                           "check that the slot folder is writable")
