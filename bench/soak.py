@@ -59,6 +59,42 @@ class Config:
     seed: int = 1
 
 
+class TurnLock:
+    """Readers share, a writer is alone; a waiting writer holds new readers back. Bounded."""
+
+    def __init__(self, timeout: float = 600.0):
+        self._changed = threading.Condition()
+        self._readers = 0
+        self._writing = False
+        self._writers_waiting = 0
+        self._timeout = timeout
+
+    def _wait(self, ready) -> None:
+        if not self._changed.wait_for(ready, timeout=self._timeout):
+            raise RuntimeError("a session stayed locked: a client hung")
+
+    def take(self, write: bool) -> None:
+        with self._changed:
+            if write:
+                self._writers_waiting += 1
+                try:
+                    self._wait(lambda: not self._writing and self._readers == 0)
+                finally:
+                    self._writers_waiting -= 1
+                self._writing = True
+            else:
+                self._wait(lambda: not self._writing and self._writers_waiting == 0)
+                self._readers += 1
+
+    def give(self, write: bool) -> None:
+        with self._changed:
+            if write:
+                self._writing = False
+            else:
+                self._readers -= 1
+            self._changed.notify_all()
+
+
 @dataclass
 class Session:
     """One conversation: its API, how it names itself, its history."""
@@ -70,12 +106,11 @@ class Session:
     system: str
     system_tokens: int = 0
     history: list[dict] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)  # one write at a time
-    # Turns of this session in flight, counted under ``guard``: the history is replaced by a
-    # new conversation only when no other turn still carries the old one, else a late turn
-    # with the old history would look like a restore that reused nothing.
-    in_flight: int = 0
-    guard: threading.Lock = field(default_factory=threading.Lock)
+    # Writes take the session alone, reads share it. A read that carried an older history
+    # and ran after newer writes would rewind the session's saved state to that history, and
+    # the next write would rightly compute the turns in between: that is the workload's doing,
+    # not kvproxy's, so every turn runs on the session's latest history.
+    turns: TurnLock = field(default_factory=TurnLock)
 
     @property
     def expected_header(self) -> str:
@@ -254,12 +289,8 @@ class Soak:
         if stream and rng.random() < self.config.disconnect_share / self.config.stream_share:
             kind = "disconnect"
         proxy = rng.randrange(len(self.proxies))
-        if kind == "write":
-            if not session.lock.acquire(timeout=600):
-                raise RuntimeError(f"session {session.number} stayed locked: a client hung")
-        with session.guard:
-            session.in_flight += 1
-            history = list(session.history)
+        session.turns.take(write=kind == "write")
+        history = list(session.history)
         try:
             question = f"Turn {len(history) // 2 + 1}: what is rule {rng.randint(1, 9)}?"
             messages = history + [{"role": "user", "content": question}]
@@ -288,16 +319,12 @@ class Soak:
                 elif kind != "disconnect":
                     outcome.problem = check_reuse(session, outcome)
             if kind == "write" and outcome.status == 200 and not outcome.problem:
-                with session.guard:
-                    session.history = messages + [{"role": "assistant", "content": outcome.text}]
-                    if len(session.history) > 24 and session.in_flight == 1:
-                        session.history = []  # a new conversation under the same id
+                session.history = messages + [{"role": "assistant", "content": outcome.text}]
+                if len(session.history) > 24:
+                    session.history = []  # a new conversation under the same id
             return outcome
         finally:
-            with session.guard:
-                session.in_flight -= 1
-            if kind == "write":
-                session.lock.release()
+            session.turns.give(write=kind == "write")
 
     def client(self, number: int, deadline: float) -> None:
         rng = random.Random(self.config.seed * 1000 + number)
