@@ -247,3 +247,33 @@ def test_clear_takes_one_slot_or_all(mock, tmp_path):
     assert all(e["active"] == "default" for e in SessionStore(tmp_path).read_table().values())
     current = client.get("/api/sessions/current").get_json()
     assert current["session_id"] == "default" and len(current["slots"]) == 2
+
+
+def test_a_base_snapshot_is_made_and_restored_in_the_slot_the_session_runs_in(mock, tmp_path):
+    """Slot 0 stays busy throughout: the base of slot 1's system prompt is prefilled, saved and
+    later restored in slot 1, and recorded so."""
+    from kvproxy import metrics
+    from kvproxy.identity import base_stem
+    from kvproxy.switch import BASE
+    from tests.fake_llama import FakePrompt
+    fake = fake_with(mock, tmp_path, 2)
+    switch = switch_over(tmp_path, base_snapshots=True, lock_timeout=1)
+    store = SessionStore(tmp_path)
+    busy = switch.acquire(A)
+    prompt = FakePrompt(range(110), list(range(100)))
+    computed = metrics.REGISTRY.get_sample_value("kvproxy_prompt_tokens_total", {"kind": "computed"}) or 0
+    first = switch.acquire(Session("B", "test", system_hash="bbbb"), prompt=prompt)
+    assert first.slot == 1 and fake.pinned == [1], "the prefill runs in the session's slot"
+    base = store.read_sidecar(base_stem("bbbb"))
+    assert (base["saved_from_slot"], base["n_tokens"], base["prefill_computed"]) == (1, 100, 100)
+    assert metrics.REGISTRY.get_sample_value(
+        "kvproxy_prompt_tokens_total", {"kind": "computed"}) == computed + 100
+    switch.release(first, {"cache_n": 100, "prompt_n": 9, "predicted_n": 1})
+    second = switch.acquire(Session("C", "test", system_hash="bbbb"), prompt=prompt)
+    assert (second.slot, second.cache, second.restored_tokens) == (1, BASE, 100)
+    assert ("restore", f"{base_stem('bbbb')}.bin") in actions_on(fake, 1)
+    restored = store.read_sidecar(base_stem("bbbb"))
+    assert restored["restored_into_slot"] == 1 and restored["last_used_at"] >= base["saved_at"]
+    assert actions_on(fake, 0) == [("erase", None)], "the busy slot was never touched"
+    switch.release(second)
+    switch.release(busy)

@@ -1,0 +1,47 @@
+"""The slot pool alone: its time bound, the Retry-After it advises, side requests in parallel."""
+import time
+
+import pytest
+
+from kvproxy.identity import Session
+from kvproxy.slotlock import SlotBusy
+from kvproxy.slotpool import SlotPool
+from kvproxy.store import SessionStore
+from tests.fake_llama import fake, make_switch  # noqa: F401 - fake is a fixture
+
+
+@pytest.mark.parametrize("bound, advised", [(0.3, 1), (7, 7), (120, 30)])
+def test_a_full_queue_advises_retrying_after_the_bound_kept_within_1_to_30_s(
+        tmp_path, bound, advised):
+    pool = SlotPool(SessionStore(tmp_path), timeout=300, max_waiters=0)
+    held, _ = pool.take([0], "A", False)
+    try:
+        with pytest.raises(SlotBusy) as busy:
+            pool.take([0], "B", False, timeout=bound)   # the caller's bound, not the pool's
+        assert busy.value.retry_after == advised
+    finally:
+        pool.give_back(held)
+
+
+def test_without_a_bound_of_its_own_a_request_waits_as_long_as_the_pool_says(tmp_path):
+    pool = SlotPool(SessionStore(tmp_path), timeout=0.3, max_waiters=4)
+    held, _ = pool.take([0], "A", False)
+    started = time.monotonic()
+    try:
+        with pytest.raises(SlotBusy):
+            pool.take([0], "B", False)
+    finally:
+        pool.give_back(held)
+    assert 0.25 < time.monotonic() - started < 3
+
+
+def test_two_side_requests_run_at_once_in_two_slots(tmp_path, fake):
+    """Side requests hold nothing worth keeping: the second never waits for the first's slot,
+    although the table names the same key in it."""
+    switch = make_switch(tmp_path, slots=2, lock_timeout=1)
+    side = Session("side", "side-request", persistent=False)
+    first = switch.acquire(side)
+    second = switch.acquire(side)
+    assert {first.slot, second.slot} == {0, 1}
+    switch.release(second)
+    switch.release(first)
