@@ -15,7 +15,8 @@ from kvproxy.identity import Session
 from kvproxy.llama import LlamaClient
 from kvproxy.restore_check import judge, slot_file_tokens
 from kvproxy.store import SessionStore
-from kvproxy.plan import EMPTY, FOREIGN, OURS, UNKNOWN, judge_slot, plan_swap
+from kvproxy.plan import (EMPTY, FOREIGN, OURS, UNKNOWN, SwapPlan, judge_slot, plan_swap,
+                          too_big)
 from kvproxy.switch import RESTORED, ClientGone, SlotBusy, SlotSwitch, fingerprint_key
 from tests.fake_llama import UPSTREAM, FakeLlama, fake, make_switch  # noqa: F401 - fake is a fixture
 from tests.test_switch import FakePrompt, turn
@@ -160,7 +161,8 @@ def test_judge_slot():
 
 def test_plan_swap_trusts_only_a_slot_proven_to_hold_the_active_session():
     state = {"active": "A", "active_key": "A", "active_persistent": True}
-    assert plan_swap(state, "A", OURS).hit
+    assert plan_swap(state, "A", OURS) == SwapPlan(hit=True, save_active=False, keep_file=False)
+    assert plan_swap(state, "B", OURS) == SwapPlan(hit=False, save_active=True, keep_file=False)
     for view in (EMPTY, FOREIGN, UNKNOWN):
         same = plan_swap(state, "A", view)
         assert not same.hit and not same.save_active and same.keep_file
@@ -168,6 +170,12 @@ def test_plan_swap_trusts_only_a_slot_proven_to_hold_the_active_session():
         assert not other.save_active and other.keep_file
     assert plan_swap(state, "B", OURS).save_active
     assert not plan_swap({**state, "active_persistent": False}, "B", OURS).save_active
+
+
+def test_a_file_is_too_big_only_past_the_slot_context():
+    assert too_big(4096, 4096) is None                         # exactly full still fits
+    assert "4097 tokens" in too_big(4097, 4096)
+    assert too_big(None, 4096) is None and too_big(4097, None) is None  # nothing known to refuse
 
 
 def test_foreign_content_is_not_saved_over_the_file_and_the_session_is_restored(tmp_path, fake):

@@ -3,6 +3,7 @@ import time
 
 import pytest
 
+from kvproxy import metrics
 from kvproxy.identity import Session
 from kvproxy.slotlock import SlotBusy
 from kvproxy.slotpool import SlotPool
@@ -15,17 +16,22 @@ def test_a_full_queue_advises_retrying_after_the_bound_kept_within_1_to_30_s(
         tmp_path, bound, advised):
     pool = SlotPool(SessionStore(tmp_path), timeout=300, max_waiters=0)
     held, _ = pool.take([0], "A", False)
+    refused = rejected("queue_full")
     try:
         with pytest.raises(SlotBusy) as busy:
             pool.take([0], "B", False, timeout=bound)   # the caller's bound, not the pool's
         assert busy.value.retry_after == advised
     finally:
         pool.give_back(held)
+    assert rejected("queue_full") == refused + 1
 
 
 def test_without_a_bound_of_its_own_a_request_waits_as_long_as_the_pool_says(tmp_path):
     pool = SlotPool(SessionStore(tmp_path), timeout=0.3, max_waiters=4)
+    waits = metrics.REGISTRY.get_sample_value("kvproxy_lock_wait_seconds_sum") or 0
     held, _ = pool.take([0], "A", False)
+    assert 0 <= metrics.REGISTRY.get_sample_value("kvproxy_lock_wait_seconds_sum") - waits < 1
+    timed_out = rejected("timeout")
     started = time.monotonic()
     try:
         with pytest.raises(SlotBusy):
@@ -33,6 +39,11 @@ def test_without_a_bound_of_its_own_a_request_waits_as_long_as_the_pool_says(tmp
     finally:
         pool.give_back(held)
     assert 0.25 < time.monotonic() - started < 3
+    assert rejected("timeout") == timed_out + 1
+
+
+def rejected(reason):
+    return metrics.REGISTRY.get_sample_value("kvproxy_slot_rejected_total", {"reason": reason}) or 0
 
 
 def test_two_side_requests_run_at_once_in_two_slots(tmp_path, fake):
