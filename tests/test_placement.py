@@ -88,3 +88,29 @@ def test_facts_from_the_state_table():
     assert facts == [SlotFacts(0, "kA", True, "t1", False),
                      SlotFacts(1, "default", False, "", True),
                      SlotFacts(2, None, False, "", False)]  # slot 3 is not driven
+
+
+def test_two_waiters_for_one_session_never_get_two_slots():
+    view = slots("A", "-")
+    waiting = [("A", False), ("A", False)]
+    assert queue_order(view, waiting, 0) == Placement(HOLDER, 0)
+    assert queue_order(view, waiting, 1) == Placement(WAIT), "A would run in two slots at once"
+
+
+def test_a_request_is_a_conversation_unless_it_says_it_is_a_side_request():
+    assert place(slots("A", "B"), "B") == Placement(HOLDER, 1)
+
+
+def test_an_entry_without_a_use_time_is_ordered_by_when_it_was_filled():
+    """Entries written before slots had a use time: the older fill is evicted first."""
+    table = {0: {"active": "A", "active_key": "kA", "active_persistent": True,
+                 "updated_at": "2026-01-02T00:00:00"},
+             1: {"active": "B", "active_key": "kB", "active_persistent": True,
+                 "updated_at": "2026-01-01T00:00:00"}}
+    assert place(facts_from_table(table, [0, 1], busy=()), "kC") == \
+        Placement(EVICT, 1, save_first=True)
+
+
+def test_an_entry_naming_no_active_session_holds_nothing():
+    facts = facts_from_table({0: {"active_key": "kA", "active_persistent": True}}, [0], busy=())
+    assert facts == [SlotFacts(0, None, False, "", False)]
