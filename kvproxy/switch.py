@@ -275,6 +275,7 @@ class SlotSwitch(SlotFiles):
                                 "active_persistent": session.persistent,
                                 "active_system_hash": session.system_hash,
                                 "slot_tokens": restored, "slot_unknown": False,
+                                "unsaved": False,  # restored from its file, or a new session
                                 "updated_at": now_iso(), "used_at": now_iso()}, slot)
         self._uncertain.discard(slot)
         self._witness[slot] = self.client.witness()
@@ -429,10 +430,13 @@ class SlotSwitch(SlotFiles):
         else:
             held = self._held_after_cut(slot)
         state = self.store.read_state(slot)
+        changes = {"slot_tokens": held} if held and state.get("slot_tokens") != held else {}
+        if session.persistent and not state.get("unsaved"):
+            changes["unsaved"] = True  # turns its file lacks: saved before an unpinned side task
         # used_at orders slots for eviction: only worth a write when there are several.
-        if (held and state.get("slot_tokens") != held) or len(self.slot_ids()) > 1:
+        if changes or len(self.slot_ids()) > 1:
             self.store.change_table(lambda table: table.setdefault(slot, {}).update(
-                used_at=now_iso(), **({"slot_tokens": held} if held else {})))
+                used_at=now_iso(), **changes))
         if lease.cache in (RESTORED, BASE) and timings:
             self._verify_restore(lease, cache_n)
         if not session.persistent:
