@@ -6,6 +6,7 @@ import logging
 import threading
 
 import pytest
+import requests
 import responses
 
 from kvproxy import create_app
@@ -178,3 +179,21 @@ def test_a_busy_slot_is_left_alone_and_not_waited_for(app, fake, tasks, tmp_path
     assert not [a for s, a, _ in fake.slot_actions if s == streaming.slot and a == "save"]
     switch.release(streaming)
 
+
+
+def test_when_slots_cannot_be_read_after_the_task_every_held_slot_is_unproven(
+        app, fake, tasks, tmp_path):
+    client = app.test_client()
+    chat(client, "A")
+    chat(client, "B")
+    honest = fake.slot_entry
+
+    def after_the_task(slot=0):
+        if tasks.ran:
+            raise requests.ConnectionError("llama-server went away")
+        return honest(slot)
+    fake.slot_entry = after_the_task
+    assert client.post("/v1/embeddings", json={"input": "x"}).status_code == 200
+    fake.slot_entry = honest
+    assert SessionStore(tmp_path).read_table()[slot_of(tmp_path, "B")]["slot_unknown"] is True
+    assert chat(client, "B").headers["X-KVProxy-Cache"] == "restored"
