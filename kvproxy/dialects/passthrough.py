@@ -6,8 +6,9 @@ slot, and llama-server's answer comes back unchanged, its errors included.
 ``SIDE`` routes run a task on the slot (embeddings, rerank): they wait for the
 slot like a side request, which saves the conversation it held first and is
 never saved itself. llama-server ignores ``id_slot`` for all of them, so with
-several slots the other idle slots are protected too (``kvproxy.unpinned``). Only kvproxy's own failures (llama-server unreachable, slot
-busy) answer in OpenAI's error shape. Methods that change llama-server for
+several slots the other idle slots are protected too (``kvproxy.unpinned``).
+Only kvproxy's own failures (llama-server unreachable, slot busy) answer in
+OpenAI's error shape. Methods that change llama-server for
 everyone (``POST /props``, ``POST /lora-adapters``) need the admin token when
 one is set, like the session admin API.
 """
