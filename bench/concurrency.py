@@ -27,6 +27,7 @@ from pathlib import Path
 import requests
 
 from kvproxy.processes import LlamaServer
+from kvproxy.serve import llama_layout
 
 from . import batched, micro
 from . import concurrency_stats as stats
@@ -83,8 +84,8 @@ def llama_options(direct: bool, slots: int, slot_ctx: int,
     Straight llama-server keeps its own defaults for slot choice and RAM cache. Behind
     kvproxy, llama-server is started the way kvproxy starts it: ``LlamaServer(slots=N)``
     where that exists, else the same flags by hand (the last ``-np`` on the command
-    line wins). ``proxy_cache_ram`` (MiB) replaces LlamaServer's default ``--cache-ram``
-    behind kvproxy.
+    line wins), with the ``--cache-ram`` that ``make run`` picks for that many slots (off
+    with several, kvproxy.serve.llama_layout). ``proxy_cache_ram`` (MiB) replaces it.
     """
     if accepts_slots is None:
         accepts_slots = "slots" in inspect.signature(LlamaServer).parameters
@@ -94,8 +95,8 @@ def llama_options(direct: bool, slots: int, slot_ctx: int,
         options["extra_args"] = ["-np", str(slots), "--slot-prompt-similarity",
                                  LLAMA_DEFAULT_SIMILARITY]
         return options
-    if proxy_cache_ram is not None:
-        options["cache_ram_mib"] = proxy_cache_ram
+    options["cache_ram_mib"] = llama_layout({"LLAMA_SLOTS": str(slots)})[2] \
+        if proxy_cache_ram is None else proxy_cache_ram
     if accepts_slots:
         options["slots"] = slots
     else:

@@ -82,7 +82,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     c.add_argument("--batched", help="llama-batched-bench prompt,generated,parallel... "
                    "(default 512,64,1,2,4)")
     c.add_argument("--proxy-cache-ram", type=int, help="llama-server --cache-ram (MiB) behind "
-                   "kvproxy in (b) and (c); default: what kvproxy's LlamaServer starts with")
+                   "kvproxy in (b) and (c); default: what make run picks (off with several slots)")
     c.add_argument("--conc-budget", type=float, default=1800,
                    help="seconds one mode may take with one group before its users stop")
     p.add_argument("--modes", help="comma list of a, b, c (default: a,b,c; quick: a,b)")

@@ -46,16 +46,21 @@ class Placement:
 
 
 def facts_from_table(table: Mapping[int, dict], slot_ids: Iterable[int],
-                     busy: Iterable[int]) -> list[SlotFacts]:
-    """The placement's view of the state table (per-slot entries) and the busy slots."""
+                     busy: Iterable[int], used_here: Mapping[int, str] | None = None
+                     ) -> list[SlotFacts]:
+    """The placement's view of the state table (per-slot entries) and the busy slots.
+    ``used_here``: this process's own last use of each slot, which the table may not show
+    yet (it is written at most once a second when nothing else changed); the later wins."""
     busy = set(busy)
+    used_here = used_here or {}
     facts = []
     for slot in slot_ids:
         entry = table.get(slot) or {}
         key = entry.get("active_key") if entry.get("active") else None
+        used_at = max(entry.get("used_at") or entry.get("updated_at") or "",
+                      used_here.get(slot, ""))
         facts.append(SlotFacts(slot, key, bool(entry.get("active_persistent")) and key is not None,
-                               entry.get("used_at") or entry.get("updated_at") or "",
-                               slot in busy))
+                               used_at, slot in busy))
     return facts
 
 

@@ -84,3 +84,26 @@ def too_big(n_tokens: object, slot_n_ctx: int | None) -> str | None:
     if n_tokens > slot_n_ctx:
         return f"it holds {n_tokens} tokens, more than the {slot_n_ctx}-token context"
     return None
+
+
+def save_before_side(entry: dict) -> bool:
+    """Whether a slot's session must be saved before a side request llama-server may run in
+    that slot: a persistent session whose newest turns its file lacks (``unsaved``), in a
+    slot kvproxy can vouch for (an unproven slot is never saved over a file)."""
+    return bool(entry.get("active") and entry.get("active_persistent") and entry.get("unsaved")
+                and not entry.get("slot_unknown"))
+
+
+def side_landed_in(table: dict[int, dict], listing: list, slots: list[int]) -> list[int]:
+    """The ``slots`` whose ``/slots`` entry no longer shows what the state table says they
+    hold: a side request llama-server did not pin ran there. Slots already unproven are
+    left out (nothing there is trusted anyway)."""
+    entries = {e.get("id"): e for e in listing if isinstance(e, dict)}
+    changed = []
+    for slot in slots:
+        entry = table.get(slot) or {}
+        if entry.get("slot_unknown"):
+            continue
+        if judge_slot(entries.get(slot), int(entry.get("slot_tokens") or 0)) != OURS:
+            changed.append(slot)
+    return changed

@@ -17,6 +17,7 @@ from . import identity
 from .config import Settings
 from .llama import LlamaClient, sse_events
 from .switch import Lease, SlotSwitch
+from .unpinned import protect_other_slots
 
 MODEL_FACTS_TTL = 10.0
 
@@ -249,11 +250,13 @@ class Relay:
             raise
 
     def side_call(self, path: str, body: dict) -> dict:
-        """A request that uses the slot but belongs to no conversation (embeddings)."""
+        """A request that uses the slot but belongs to no conversation (embeddings).
+        llama-server ignores its ``id_slot``: the other slots are protected (``unpinned``)."""
         lease = self.switch.acquire(identity.Session(identity.SIDE_SESSION, "side-request",
                                                      persistent=False))
         try:
-            return self.client.post_json(path, pinned(body, lease.slot))
+            with protect_other_slots(self.switch, lease):
+                return self.client.post_json(path, pinned(body, lease.slot))
         finally:
             self.switch.release(lease)
 

@@ -79,7 +79,20 @@ class SlotFiles:
             return None
         if sidecar["saved_bytes"] > estimate:  # bigger than room was made for
             self.budget.trim(protected)
+        if kind == "session":
+            self._mark_saved(slot, stem)
         return sidecar
+
+    def _mark_saved(self, slot: int, stem: str) -> None:
+        """The session ``slot`` holds is in its file now: no unsaved turns to protect."""
+        if not self.store.read_state(slot).get("unsaved"):
+            return
+
+        def saved(table: dict[int, dict]) -> None:
+            entry = table.get(slot)
+            if entry and entry.get("active_stem") == stem and entry.get("unsaved"):
+                entry["unsaved"] = False
+        self.store.change_table(saved)
 
     def _slot_n_ctx(self, slot: int) -> int | None:
         if slot not in self._n_ctx:

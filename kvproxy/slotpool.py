@@ -45,6 +45,7 @@ class SlotPool:
         self._locks: dict[int, SlotLock] = {}
         self._elsewhere: dict[int, float] = {}  # slot -> until when another process holds it
         self.waiting = 0  # requests of this process waiting for a slot now
+        self.used_here: dict[int, str] = {}  # slot -> ISO time this process last used it
 
     def lock(self, slot: int) -> SlotLock:
         with self._cond:
@@ -81,7 +82,7 @@ class SlotPool:
                 # no-swap path stays as fast as it was).
                 table = self.store.read_table() if len(slot_ids) > 1 else {}
                 with self._cond:
-                    facts = facts_from_table(table, slot_ids, self._busy())
+                    facts = facts_from_table(table, slot_ids, self._busy(), self.used_here)
                     decision = queue_order(facts, [(w.key, w.side) for w in self._queue],
                                            self._queue.index(me))
                 if decision.slot is not None:
@@ -116,6 +117,11 @@ class SlotPool:
                     self.waiting -= 1
                     metrics.WAITERS.dec()
                 self._cond.notify_all()
+
+    def note_use(self, slot: int, at: str) -> None:
+        """Remember when this process last used ``slot``, for least-recently-used placement."""
+        with self._cond:
+            self.used_here[slot] = max(at, self.used_here.get(slot, ""))
 
     def give_back(self, slot: int) -> None:
         """Free a leased slot and wake the requests waiting for one."""

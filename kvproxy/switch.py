@@ -27,6 +27,7 @@ from .slotlock import ClientGone, SlotBusy, SlotLock, SlotUnavailable
 from .slotpool import SlotPool
 from .store import SessionStore, StorageError, now_iso
 
+USED_AT_RESOLUTION_S = 1.0
 log = logging.getLogger("kvproxy.switch")
 
 from .slotfiles import (BASE, HIT, MIN_BASE_TOKENS, MISS, RESTORED, PromptView,  # noqa: F401
@@ -101,6 +102,8 @@ class SlotSwitch(SlotFiles):
         # Per slot: a connection to llama-server that existed when kvproxy last recorded what
         # the slot holds. Still open: llama-server did not restart since (see _slot_view).
         self._witness: dict[int, Any] = {}
+        # Per slot: when this process last wrote its used_at (see _after_request).
+        self._used_at_written: dict[int, float] = {}
 
     # -- the slots ---------------------------------------------------------
     def slot_ids(self) -> list[int]:
@@ -275,6 +278,7 @@ class SlotSwitch(SlotFiles):
                                 "active_persistent": session.persistent,
                                 "active_system_hash": session.system_hash,
                                 "slot_tokens": restored, "slot_unknown": False,
+                                "unsaved": False,  # restored from its file, or a new session
                                 "updated_at": now_iso(), "used_at": now_iso()}, slot)
         self._uncertain.discard(slot)
         self._witness[slot] = self.client.witness()
@@ -429,10 +433,21 @@ class SlotSwitch(SlotFiles):
         else:
             held = self._held_after_cut(slot)
         state = self.store.read_state(slot)
-        # used_at orders slots for eviction: only worth a write when there are several.
-        if (held and state.get("slot_tokens") != held) or len(self.slot_ids()) > 1:
+        changes = {"slot_tokens": held} if held and state.get("slot_tokens") != held else {}
+        if session.persistent and not state.get("unsaved"):
+            changes["unsaved"] = True  # turns its file lacks: saved before an unpinned side task
+        # used_at orders slots for eviction, so it matters only with several slots. This
+        # process keeps it exactly in memory; the table (for other processes) gets it at most
+        # once a second when nothing else changed, so a no-swap request writes no more with
+        # several slots than with one.
+        self.pool.note_use(slot, now_iso())
+        now = time.monotonic()
+        used_at_due = len(self.slot_ids()) > 1 and \
+            now - self._used_at_written.get(slot, -USED_AT_RESOLUTION_S) >= USED_AT_RESOLUTION_S
+        if changes or used_at_due:
             self.store.change_table(lambda table: table.setdefault(slot, {}).update(
-                used_at=now_iso(), **({"slot_tokens": held} if held else {})))
+                used_at=now_iso(), **changes))
+            self._used_at_written[slot] = now
         if lease.cache in (RESTORED, BASE) and timings:
             self._verify_restore(lease, cache_n)
         if not session.persistent:

@@ -277,3 +277,30 @@ def test_a_base_snapshot_is_made_and_restored_in_the_slot_the_session_runs_in(mo
     assert actions_on(fake, 0) == [("erase", None)], "the busy slot was never touched"
     switch.release(second)
     switch.release(busy)
+
+
+def test_a_repeated_hit_writes_the_state_table_at_most_once_a_second(mock, tmp_path, monkeypatch):
+    fake = fake_with(mock, tmp_path, 2)
+    switch = switch_over(tmp_path)
+    answer(switch, A, fake)
+    writes = []
+    original = switch.store.change_table
+    monkeypatch.setattr(switch.store, "change_table",
+                        lambda change: writes.append(1) or original(change))
+    for _ in range(5):
+        assert answer(switch, A, fake).cache == HIT
+    assert len(writes) <= 1, "the no-swap path wrote the table on every request"
+    monkeypatch.setattr("kvproxy.switch.USED_AT_RESOLUTION_S", 0.0)
+    answer(switch, A, fake)
+    assert len(writes) >= 1 and json.loads((tmp_path / STATE_FILE).read_text())["slots"]["0"]
+
+
+def test_this_process_s_own_use_orders_the_slots_before_the_table_shows_it():
+    from kvproxy.placement import facts_from_table
+    table = {0: {"active": "A", "active_key": "a", "active_persistent": True,
+                 "used_at": "2026-01-01T00:00:02.000+00:00"},
+             1: {"active": "B", "active_key": "b", "active_persistent": True,
+                 "used_at": "2026-01-01T00:00:03.000+00:00"}}
+    facts = facts_from_table(table, [0, 1], [], {0: "2026-01-01T00:00:04.000+00:00",
+                                                 1: "2026-01-01T00:00:01.000+00:00"})
+    assert [f.used_at[17:19] for f in facts] == ["04", "03"]

@@ -5,8 +5,10 @@ server properties): the request goes on unchanged, without waiting for the
 slot, and llama-server's answer comes back unchanged, its errors included.
 ``SIDE`` routes run a task on the slot (embeddings, rerank): they wait for the
 slot like a side request, which saves the conversation it held first and is
-never saved itself. Only kvproxy's own failures (llama-server unreachable, slot
-busy) answer in OpenAI's error shape. Methods that change llama-server for
+never saved itself. llama-server ignores ``id_slot`` for all of them, so with
+several slots the other idle slots are protected too (``kvproxy.unpinned``).
+Only kvproxy's own failures (llama-server unreachable, slot busy) answer in
+OpenAI's error shape. Methods that change llama-server for
 everyone (``POST /props``, ``POST /lora-adapters``) need the admin token when
 one is set, like the session admin API.
 """
@@ -23,6 +25,7 @@ from flask import Blueprint, Response, current_app, request
 
 from ..identity import SIDE_SESSION, Session
 from ..relay import pinned
+from ..unpinned import protect_other_slots
 from .common import HANDLED, failure, relay
 from .openai import render_error
 
@@ -88,37 +91,57 @@ def _forward(route: Route) -> Response:
     if _admin_token_missing(route):
         return render_error(401, f"{request.method} {request.path} changes llama-server for "
                                  "every client: send 'Authorization: Bearer <admin token>'")
-    client = relay().client
-    side = route.kind == SIDE
-    lease = None
+    if route.kind == SIDE:
+        return _forward_side()
     try:
-        if side:
-            lease = relay().switch.acquire(Session(SIDE_SESSION, "side-request", persistent=False))
-        upstream = client.forward(request.method, request.path, query=request.query_string,
-                                  data=pinned_data(request.get_data(), lease),
-                                  content_type=request.headers.get("Content-Type"),
-                                  read_timeout=None if side else PLAIN_READ_TIMEOUT,
-                                  slot_call=side)
+        upstream = _send(None)
     except HANDLED as exc:
-        if lease is not None:
-            relay().switch.release(lease)
         return render_error(*failure(exc))
-    headers = {name: upstream.headers[name] for name in KEPT_HEADERS if name in upstream.headers}
-    if not side:
-        response = Response(_chunks(upstream), status=upstream.status_code, headers=headers,
-                            direct_passthrough=True)
-        response.call_on_close(upstream.close)
-        return response
-    try:  # the slot is freed before the answer goes out: a side task holds nothing after it
-        content = upstream.content
+    response = Response(_chunks(upstream), status=upstream.status_code,
+                        headers=_kept_headers(upstream), direct_passthrough=True)
+    response.call_on_close(upstream.close)
+    return response
+
+
+def _forward_side() -> Response:
+    """A side task: the slot is freed before the answer goes out (it holds nothing after it).
+    llama-server ignores ``id_slot`` for every ``SIDE`` route, so the other slots are
+    protected while it runs (``unpinned``)."""
+    switch = relay().switch
+    try:
+        lease = switch.acquire(Session(SIDE_SESSION, "side-request", persistent=False))
+    except HANDLED as exc:
+        return render_error(*failure(exc))
+    try:
+        with protect_other_slots(switch, lease):
+            upstream = _send(lease)
+            try:
+                content = upstream.content
+            finally:
+                upstream.close()
+    except HANDLED as exc:
+        return render_error(*failure(exc))
     except requests.RequestException as exc:  # llama-server went away mid-answer
         return render_error(502, f"llama-server stopped answering {request.path}: "
                                  f"{exc.__class__.__name__}")
     finally:
-        upstream.close()
-        relay().switch.release(lease)
+        switch.release(lease)
     return Response(content, status=upstream.status_code,
-                    headers={**headers, **lease.headers()})
+                    headers={**_kept_headers(upstream), **lease.headers()})
+
+
+def _send(lease) -> requests.Response:
+    """The request as sent, to llama-server (a side task's JSON body pinned to ``lease``)."""
+    side = lease is not None
+    return relay().client.forward(request.method, request.path, query=request.query_string,
+                                  data=pinned_data(request.get_data(), lease),
+                                  content_type=request.headers.get("Content-Type"),
+                                  read_timeout=None if side else PLAIN_READ_TIMEOUT,
+                                  slot_call=side)
+
+
+def _kept_headers(upstream: requests.Response) -> dict:
+    return {name: upstream.headers[name] for name in KEPT_HEADERS if name in upstream.headers}
 
 
 def pinned_data(data: bytes, lease) -> bytes:
