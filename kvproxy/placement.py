@@ -40,10 +40,6 @@ class Placement:
     slot: int | None = None       # where to run (None: wait)
     save_first: bool = False      # the slot holds another persistent session: save it first
 
-    @property
-    def waits(self) -> bool:
-        return self.slot is None
-
 
 def facts_from_table(table: Mapping[int, dict], slot_ids: Iterable[int],
                      busy: Iterable[int], used_here: Mapping[int, str] | None = None

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
 
 from . import metrics
-from .placement import Placement, facts_from_table, queue_order
+from .placement import facts_from_table, queue_order
 from .slotlock import SlotBusy, SlotLock
 from .store import SessionStore
 
@@ -65,8 +64,7 @@ class SlotPool:
         return {slot for slot, lock in self._locks.items() if lock.held_here()} | elsewhere
 
     def take(self, slot_ids: list[int], key: str | None, side: bool,
-             timeout: float | None = None,
-             on_decision: Callable[[Placement], None] | None = None) -> tuple[int, bool]:
+             timeout: float | None = None) -> tuple[int, bool]:
         """Lease the slot ``placement`` picks for ``key``; wait (bounded) when none can be
         had. Returns ``(slot, waited)``. Raises ``SlotBusy`` (bound reached, queue full) or
         ``SlotUnavailable`` (the lock cannot be taken at all)."""
@@ -88,8 +86,6 @@ class SlotPool:
                 if decision.slot is not None:
                     lock = self.lock(decision.slot)
                     if lock.try_acquire():
-                        if on_decision is not None:
-                            on_decision(decision)
                         metrics.LOCK_WAIT.observe(time.monotonic() - started)
                         return decision.slot, waited
                     if not lock.held_here():  # another process holds it: look elsewhere
