@@ -12,7 +12,7 @@ BUILD_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 CLAUDE_CODE_VERSION := 2.1.332
 NPM_DIR := var/npm
 
-.PHONY: setup run test test-unit test-deploy nginx mutate bench bench-concurrency soak clean claude-cli
+.PHONY: setup run test test-unit test-deploy nginx mutate bench bench-concurrency bench-slot-overhead soak clean claude-cli
 setup: $(VENV)/.requirements $(VENV)/.llama-server $(VENV)/.model
 
 $(VENV)/bin/python:
@@ -103,6 +103,11 @@ bench: setup
 # for a smoke run of a few minutes.
 bench-concurrency: setup
 	$(BIN)/python -m bench.run --scenario concurrency $(BENCH_ARGS)
+
+# kvproxy driving one slot against all of them, on two llama-servers of the same layout: the
+# no-swap request path alone (about 2 minutes).
+bench-slot-overhead: setup
+	$(BIN)/python -m bench.slot_overhead
 
 # Minutes of load against the real llama-server; not part of `make test` (a short one is).
 soak: setup
