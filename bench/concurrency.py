@@ -29,7 +29,7 @@ import requests
 from kvproxy.processes import LlamaServer
 from kvproxy.serve import llama_layout
 
-from . import batched, micro
+from . import batched, micro, slot_overhead
 from . import concurrency_stats as stats
 from .client import stream_chat, templated_tokens, tokenize
 from .procs import Mode
@@ -291,6 +291,14 @@ def run_scenario(settings: dict, work: Path, log, record: dict) -> None:
                   mode_commands={}, n_ctx=f"{settings['slot_ctx']} per slot")
     if "batched" not in skip:
         record["batched"] = batched.measure(*settings["batched"], log=log)
+    if "overhead" not in skip and slots > 1:
+        log(f"== no-swap request path: kvproxy driving 1 and {slots} slots, same layout")
+        folder = work / "slot-path"
+        folder.mkdir(parents=True, exist_ok=True)
+        record["slot_path"] = slot_overhead.summary(slot_overhead.measure(
+            slots, settings["slot_ctx"], settings["overhead_requests"] * 2, folder), slots)
+        log(f"  median {record['slot_path']['one_slot_median_ms']:.2f} ms driving 1, "
+            f"{record['slot_path']['all_slots_median_ms']:.2f} ms driving {slots}")
     for users in settings["users"]:
         group: dict = {"users": users, "modes": {}, "summaries": {}, "results": {}}
         record["groups"].append(group)

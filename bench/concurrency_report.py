@@ -49,6 +49,12 @@ def overhead_table(conc: dict) -> str:
             rows.append([conc["mode_labels"][key], f"{o['direct_median_ms']:.2f}",
                          f"{o['proxy_median_ms']:.2f}", f"{o['added_median_ms']:+.2f}",
                          f"{o['added_p99_ms']:+.2f}", f"{o['paired_difference_median_ms']:+.2f}"])
+    path = conc.get("slot_path")
+    if path:
+        rows.append([f"kvproxy driving 1 slot, then {path['slots']}, on llama-servers of the same "
+                     f"layout (-np {path['slots']}), alternated, n={path['requests_each']} each: "
+                     "request time, not added", "-", f"{path['one_slot_median_ms']:.2f} / "
+                     f"{path['all_slots_median_ms']:.2f}", "-", "-", "-"])
     recorded = conc.get("overhead_recorded")
     if recorded:
         rows.append([f"recorded in bench/results/latest.json ({recorded['started_at']})",

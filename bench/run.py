@@ -307,7 +307,7 @@ def publish_concurrency(conc: dict, args: argparse.Namespace, log, name: str,
     """Targets, the printed report, results/<name>.json|.png|.md and the README section."""
     conc["groups"] = [g for g in conc.get("groups") or [] if g.get("summaries")]
     conc["targets"] = concurrency_targets(conc["groups"], conc["settings"]["slots"],
-                                          conc.get("overhead"))
+                                          conc.get("overhead"), conc.get("slot_path"))
     log("\n" + concurrency_report.text_report(conc))
     RESULTS.mkdir(parents=True, exist_ok=True)
     json_path, png_path = RESULTS / f"{name}.json", RESULTS / f"{name}.png"

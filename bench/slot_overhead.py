@@ -63,6 +63,17 @@ def measure(slots: int, slot_ctx: int, requests_each: int, work: Path) -> dict[i
             llama.stop()
 
 
+def summary(times: dict[int, list[float]], slots: int) -> dict:
+    """Medians and p90s of ``measure``'s figures, as the concurrency report shows them."""
+    def p90(values: list[float]) -> float:
+        ordered = sorted(values)
+        return round(ordered[int(len(ordered) * 0.9)], 3)
+    return {"slots": slots, "requests_each": len(times[1]),
+            "one_slot_median_ms": round(statistics.median(times[1]), 3),
+            "all_slots_median_ms": round(statistics.median(times[slots]), 3),
+            "one_slot_p90_ms": p90(times[1]), "all_slots_p90_ms": p90(times[slots])}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--slots", type=int, default=4)
@@ -73,11 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"two llama-servers -np {args.slots}, kvproxy driving 1 and {args.slots} slots, "
               f"{args.requests} alternated no-swap requests each ...", flush=True)
         times = measure(args.slots, args.slot_ctx, args.requests, Path(work))
-    one, many = statistics.median(times[1]), statistics.median(times[args.slots])
-    for driven, values in times.items():
-        ordered = sorted(values)
-        print(f"  kvproxy driving {driven} slot(s): median {statistics.median(values):.2f} ms, "
-              f"p90 {ordered[int(len(ordered) * 0.9)]:.2f} ms")
+    figures = summary(times, args.slots)
+    one, many = figures["one_slot_median_ms"], figures["all_slots_median_ms"]
+    print(f"  kvproxy driving 1 slot: median {one:.2f} ms, p90 {figures['one_slot_p90_ms']:.2f} ms")
+    print(f"  kvproxy driving {args.slots} slots: median {many:.2f} ms, "
+          f"p90 {figures['all_slots_p90_ms']:.2f} ms")
     print(f"  {args.slots} slots / 1 slot: {many / one:.3f}x the median request time "
           f"({many - one:+.2f} ms)")
     return 0

@@ -226,3 +226,24 @@ def test_report_renders_tables_plot_and_readme_section(tmp_path):
     assert section.startswith(concurrency_report.START) and section.endswith(concurrency_report.END)
     concurrency_report.plot(conc, tmp_path / "x.png")
     assert (tmp_path / "x.png").stat().st_size > 1000
+
+
+def test_c5_judges_the_request_path_on_the_same_layout_when_measured():
+    groups = [{"users": 4, "summaries": {}}]
+    slower_layout = {"b": {"added_median_ms": 4.0}, "c": {"added_median_ms": 5.0}}
+    same = {"slots": 4, "requests_each": 200, "one_slot_median_ms": 19.2,
+            "all_slots_median_ms": 19.9}
+    c5 = {t["id"]: t for t in stats.targets(groups, 4, slower_layout, same)}["C5"]
+    assert c5["status"] == "PASS" and "19.90 ms vs 19.20 ms" in c5["measured"]
+    same["all_slots_median_ms"] = 21.5
+    assert {t["id"]: t["status"] for t in stats.targets(groups, 4, slower_layout, same)}["C5"] \
+        == "FAIL"
+    # without it (older results), the (b)/(c) comparison decides as before
+    assert {t["id"]: t["status"] for t in stats.targets(groups, 4, slower_layout)}["C5"] == "FAIL"
+
+
+def test_slot_overhead_summary_reads_both_series():
+    from bench import slot_overhead
+    figures = slot_overhead.summary({1: [10.0, 12.0, 11.0], 4: [13.0, 12.0, 14.0]}, 4)
+    assert figures["one_slot_median_ms"] == 11.0 and figures["all_slots_median_ms"] == 13.0
+    assert figures["requests_each"] == 3 and figures["all_slots_p90_ms"] == 14.0
