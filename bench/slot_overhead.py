@@ -20,6 +20,7 @@ import requests
 from kvproxy.processes import LlamaServer
 
 from .client import timed_json
+from .micro import percentile
 from .procs import Proxy
 
 BODY = {"messages": [{"role": "user", "content": "Reply with the word yes."}],
@@ -66,8 +67,7 @@ def measure(slots: int, slot_ctx: int, requests_each: int, work: Path) -> dict[i
 def summary(times: dict[int, list[float]], slots: int) -> dict:
     """Medians and p90s of ``measure``'s figures, as the concurrency report shows them."""
     def p90(values: list[float]) -> float:
-        ordered = sorted(values)
-        return round(ordered[int(len(ordered) * 0.9)], 3)
+        return round(percentile(values, 90), 3)
     return {"slots": slots, "requests_each": len(times[1]),
             "one_slot_median_ms": round(statistics.median(times[1]), 3),
             "all_slots_median_ms": round(statistics.median(times[slots]), 3),

@@ -440,13 +440,14 @@ class SlotSwitch(SlotFiles):
         # process keeps it exactly in memory; the table (for other processes) gets it at most
         # once a second when nothing else changed, so a no-swap request writes no more with
         # several slots than with one.
-        self.pool.note_use(slot, now_iso())
+        used_at = now_iso()
+        self.pool.note_use(slot, used_at)
         now = time.monotonic()
         used_at_due = len(self.slot_ids()) > 1 and \
             now - self._used_at_written.get(slot, -USED_AT_RESOLUTION_S) >= USED_AT_RESOLUTION_S
         if changes or used_at_due:
             self.store.change_table(lambda table: table.setdefault(slot, {}).update(
-                used_at=now_iso(), **changes))
+                used_at=used_at, **changes))
             self._used_at_written[slot] = now
         if lease.cache in (RESTORED, BASE) and timings:
             self._verify_restore(lease, cache_n)
