@@ -36,16 +36,17 @@ class RecentActivity:
         """One request at its end (a switch ``Lease``): a swap unless the slot already held
         its session (hit), and its outcome and tokens when llama-server answered."""
         if lease.cache != "hit":
-            self.record_swap(lease.session.id, lease.cache, lease.swap_ms, lease.restored_tokens)
+            self.record_swap(lease.session.id, lease.cache, lease.swap_ms, lease.restored_tokens,
+                             lease.slot)
         if timings:
             self.record_request(lease.cache, int(timings.get("cache_n") or 0),
                                 int(timings.get("prompt_n") or 0))
 
     def record_swap(self, session_id: str, cache: str, swap_ms: float,
-                    restored_tokens: int) -> None:
-        """One swap of the slot to ``session_id`` (save, then restore, base or erase)."""
-        entry = {"at": _iso(self._clock()), "session_id": session_id, "cache": cache,
-                 "ms": round(swap_ms, 1), "restored_tokens": restored_tokens}
+                    restored_tokens: int, slot: int = 0) -> None:
+        """One swap of ``slot`` to ``session_id`` (save, then restore, base or erase)."""
+        entry = {"at": _iso(self._clock()), "slot": slot, "session_id": session_id,
+                 "cache": cache, "ms": round(swap_ms, 1), "restored_tokens": restored_tokens}
         with self._lock:
             self.swaps.append(entry)
 

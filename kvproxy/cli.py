@@ -1,7 +1,8 @@
 """``python -m kvproxy``: look at and steer a running kvproxy over its admin API.
 
 Exit codes scripts can rely on:
-  0 done; 1 not found (``rm`` of an unknown id); 2 usage error;
+  0 done; 1 not found (``rm`` of an unknown id); 2 usage error (also a request kvproxy refuses
+  as bad, such as ``clear --slot`` of a slot it does not drive);
   3 kvproxy cannot be reached (refused, timed out, not kvproxy);
   4 refused: the admin token is missing or wrong; 5 kvproxy answered with an error (busy, 5xx).
 Errors go to stderr in one line; ``--json`` prints machine-readable results on stdout.
@@ -50,6 +51,8 @@ class AdminClient:
                                  "to the token kvproxy runs with")
         if response.status_code == 404 and method == "DELETE":
             return response
+        if response.status_code == 400:
+            raise CliError(USAGE, f"kvproxy refused the request: {_message(response)}")
         if response.status_code >= 400:
             raise CliError(SERVER_ERROR if response.status_code != 404 else UNREACHABLE,
                            f"{method} {path}: HTTP {response.status_code}: {_message(response)}")
@@ -202,7 +205,7 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     top = Parser(prog="python -m kvproxy",
                  description="Look at and steer a running kvproxy over its admin API.",
-                 epilog="exit codes: 0 ok, 1 not found, 2 usage, 3 cannot reach kvproxy, "
+                 epilog="exit codes: 0 ok, 1 not found, 2 usage or bad request, 3 cannot reach kvproxy, "
                         "4 admin token refused, 5 kvproxy answered with an error",
                  formatter_class=argparse.RawDescriptionHelpFormatter)
     top.add_argument("--url", default=os.environ.get("KVPROXY_URL", DEFAULT_URL),

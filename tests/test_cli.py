@@ -10,11 +10,12 @@ from kvproxy import cli, create_app
 from tests.fake_llama import UPSTREAM, FakeLlama
 
 
-@pytest.fixture
-def served(tmp_path, monkeypatch):
-    """kvproxy with an admin token on a local port; the CLI talks to it over HTTP."""
+@pytest.fixture(params=[1])
+def served(request, tmp_path, monkeypatch):
+    """kvproxy with an admin token on a local port; the CLI talks to it over HTTP. The
+    parameter is llama-server's slot count (indirect parametrisation picks another)."""
     with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
-        FakeLlama(mock, tmp_path)
+        FakeLlama(mock, tmp_path, n_slots=request.param)
         app = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM,
                           "admin_token": "s3cret", "base_snapshots": False})
         server = make_server("127.0.0.1", 0, app, threaded=True)
@@ -50,6 +51,23 @@ def test_ps_shows_the_slot_and_its_session(served, capsys):
     assert llama.startswith("llama-server ok: tiny.gguf")
     code, out, _ = run(capsys, "ps", "--json")
     assert code == 0 and json.loads(out)["slots"][0]["session_id"] == "bob"
+
+
+@pytest.mark.parametrize("served", [2], indirect=True)
+def test_ps_shows_every_slot_and_clear_takes_one(served, capsys):
+    code, out, err = run(capsys, "ps")
+    assert code == 0 and not err
+    header, *slots, llama = out.splitlines()
+    assert [line.split()[:3] for line in slots] == [["0", "alice", "idle"], ["1", "bob", "idle"]]
+    code, out, _ = run(capsys, "clear", "--slot", "1")
+    assert (code, out) == (0, "slot 1 cleared (the sessions they held were saved first)\n")
+    code, out, _ = run(capsys, "ps", "--json")
+    assert [s["session_id"] for s in json.loads(out)["slots"]] == ["alice", "default"]
+    code, out, err = run(capsys, "clear", "--slot", "7")
+    assert code == cli.USAGE == 2 and not out
+    assert err == "kvproxy: kvproxy refused the request: no slot 7: kvproxy drives slots [0, 1]\n"
+    code, out, _ = run(capsys, "clear", "--json")
+    assert code == 0 and json.loads(out)["slots"] == [0, 1]
 
 
 def test_sessions_table_and_json(served, capsys):

@@ -1,9 +1,9 @@
 """Several machines: the shipped deploy/nginx/kvproxy-cluster.conf in front of two
 kvproxy + llama-server pairs (node-a, node-b), each with its own slot folder, on loopback.
 
-The tests run in file order and share the conversations: 20 sessions stay on one machine,
-a stopped pair's sessions are answered by the other and come back, restored from their
-own machine's slot folder, when it returns.
+The 20 conversations are placed once per module (a fixture), so each test also runs alone:
+they stay on one machine, a stopped pair's sessions are answered by the other and come back,
+restored from their own machine's slot folder, when it returns.
 """
 from __future__ import annotations
 
@@ -109,64 +109,78 @@ def client(cluster):
 
 
 @pytest.fixture(scope="module")
-def conversations():
-    return [Conversation(i) for i in range(N_SESSIONS)]
+def conversations(client):
+    """20 conversations placed by nginx: two turns back to back each (the second finds its
+    session still in the slot), then a third round-robin (each comes back after the others
+    on its machine took the slot: restored from that machine's folder)."""
+    placed = [Conversation(i) for i in range(N_SESSIONS)]
+    for conversation in placed:
+        conversation.ask(client)
+        conversation.ask(client)
+    for conversation in placed:
+        conversation.ask(client)
+    return placed
 
 
 def home(conversation: Conversation) -> str:
     return conversation.turns[0].node
 
 
-def test_sessions_stay_on_one_machine_and_reuse_their_cache(client, conversations):
-    for _ in range(2):                       # two turns each, round-robin over the sessions
-        for conversation in conversations:
-            conversation.ask(client)
+def test_sessions_stay_on_one_machine_and_reuse_their_cache(conversations):
     spread = Counter(home(c) for c in conversations)
-    second = Counter(c.turns[1].cache for c in conversations)
-    print(f"\n20 sessions over the nodes: {dict(spread)}; second turn cache: {dict(second)}")
+    print(f"\n20 sessions over the nodes: {dict(spread)}; second turn cache: "
+          f"{dict(Counter(c.turns[1].cache for c in conversations))}; third (round-robin): "
+          f"{dict(Counter(c.turns[2].cache for c in conversations))}")
     assert set(spread) == {"node-a", "node-b"}
     for conversation in conversations:
-        first, again = conversation.turns
-        assert again.node == first.node, conversation.id
-        assert again.cache in ("hit", "restored"), (conversation.id, again)
-        assert again.cached_tokens >= 0.9 * first.prompt_tokens, (conversation.id, first, again)
+        first, second, third = conversation.turns[:3]
+        assert first.node == second.node == third.node, conversation.id
+        assert second.cache == "hit", (conversation.id, second)
+        assert second.cached_tokens >= 0.9 * first.prompt_tokens, (conversation.id, first, second)
+        assert third.cache in ("hit", "restored"), (conversation.id, third)
+        assert third.cached_tokens >= 0.9 * second.prompt_tokens, (conversation.id, second, third)
 
 
-def test_stopping_a_pair_moves_only_its_sessions(cluster, client, conversations):
-    cluster.pairs["node-a"].stop()            # graceful: kvproxy saves the active session
-    for conversation in conversations:
-        conversation.ask(client)
+def test_a_stopped_pair_moves_only_its_sessions_and_they_come_back(cluster, client,
+                                                                   conversations):
+    """node-a stops (gracefully: kvproxy saves the session its slot holds): its sessions are
+    answered by node-b from scratch, node-b's own keep their cache. node-a comes back: its
+    sessions return to it, restored from its own slot folder."""
+    before = len(conversations[0].turns)
     moved = [c for c in conversations if home(c) == "node-a"]
+    cluster.pairs["node-a"].stop()
+    try:
+        for conversation in conversations:
+            conversation.ask(client)
+    finally:
+        cluster.pairs["node-a"].start()
+    away = [c.turns[before] for c in conversations]
     print(f"\nnode-a stopped: {len(moved)} sessions answered by "
-          f"{dict(Counter(c.turns[2].node for c in moved))}, cache "
-          f"{dict(Counter(c.turns[2].cache for c in moved))}; the others: "
-          f"{dict(Counter(c.turns[2].cache for c in conversations if c not in moved))}")
-    for conversation in conversations:
-        turn = conversation.turns[2]
+          f"{dict(Counter(c.turns[before].node for c in moved))}, cache "
+          f"{dict(Counter(c.turns[before].cache for c in moved))}; the others: "
+          f"{dict(Counter(c.turns[before].cache for c in conversations if c not in moved))}")
+    for conversation, turn in zip(conversations, away):
         assert turn.node == "node-b", conversation.id
         if conversation not in moved:
             assert turn.cache in ("hit", "restored"), (conversation.id, turn)
         else:                                 # node-b has nothing of it: starts afresh
             assert turn.cache in ("miss", "base"), (conversation.id, turn)
 
-
-def test_sessions_return_to_their_machine_with_its_cache(cluster, client, conversations):
-    cluster.pairs["node-a"].start()
     # nginx tries a failed server again after the shipped fail_timeout.
     (fail_timeout,) = set(re.findall(r"fail_timeout=(\w+)", cluster.nginx.shipped.read_text()))
     time.sleep(seconds(fail_timeout) + 1)
     for conversation in conversations:
         conversation.ask(client)
-    back = [c for c in conversations if home(c) == "node-a"]
-    print(f"\nnode-a back: its {len(back)} sessions cache "
-          f"{dict(Counter(c.turns[3].cache for c in back))}, cached tokens "
-          f"{[c.turns[3].cached_tokens for c in back]}")
+    print(f"\nnode-a back: its {len(moved)} sessions cache "
+          f"{dict(Counter(c.turns[before + 1].cache for c in moved))}, cached tokens "
+          f"{[c.turns[before + 1].cached_tokens for c in moved]}")
     for conversation in conversations:
-        turn = conversation.turns[3]
+        turn = conversation.turns[before + 1]
         assert turn.node == home(conversation), conversation.id
         assert turn.cache in ("hit", "restored"), (conversation.id, turn)
-    for conversation in back:                 # restored from node-a's folder: turn 2's file
-        assert conversation.turns[3].cached_tokens >= 0.9 * conversation.turns[1].prompt_tokens
+    for conversation in moved:     # restored from node-a's folder: the turn before it stopped
+        last_at_home = conversation.turns[before - 1]
+        assert conversation.turns[before + 1].cached_tokens >= 0.9 * last_at_home.prompt_tokens
 
 
 def test_body_only_id_clients_stick_by_address(cluster):

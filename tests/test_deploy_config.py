@@ -69,10 +69,12 @@ def test_streams_are_passed_on_unbuffered_over_keepalive(name):
 
 @pytest.mark.parametrize("name", SITES)
 def test_timeouts_outlast_kvproxys_own(name):
-    """nginx waits longer than kvproxy ever stays silent (waiting for the slot, then for
-    llama-server), so a long prefill is answered, or kvproxy answers the error itself."""
+    """nginx waits longer than kvproxy ever stays silent (waiting for the slot, saving the
+    session it held, restoring the next, then waiting for llama-server), so a long prefill is
+    answered, or kvproxy answers the error itself."""
     settings = load_settings({})
-    longest_silence = settings.lock_timeout + settings.read_timeout
+    longest_silence = (settings.lock_timeout + 2 * settings.slot_action_timeout
+                       + settings.read_timeout)
     text = site(name)
     for directive in ("proxy_read_timeout", "proxy_send_timeout"):
         (value,) = directive_values(text, directive)
@@ -90,11 +92,18 @@ def test_nginx_closes_idle_upstream_connections_before_gunicorn(name, monkeypatc
 @pytest.mark.parametrize("name", SITES)
 def test_body_limit_and_admin_routes(name):
     text = site(name)
-    assert directive_values(text, "client_max_body_size") == ["64m"]
+    limit_mb = load_settings({}).max_body_mb
+    assert directive_values(text, "client_max_body_size") == [f"{limit_mb:g}m"]
+    assert text.count(f"larger than {limit_mb:g} MiB") == 3, "every API's 413 names the limit"
     assert directive_values(text, "error_page") == ["413 @body_too_large"]
     assert "location @body_too_large {" in text
-    admin = re.search(r"location /api/sessions \{(.*?)\}", text, re.S).group(1)
+    pattern, admin = re.search(r"location ~ (\S+) \{(.*?)\}", text, re.S).groups()
     assert "deny all;" in admin and "allow 127.0.0.1;" in admin
+    local_only = ["/api/sessions", "/api/sessions/a%2Fb", "/api/slots", "/api/status", "/status"]
+    anywhere = ["/api/chat", "/api/tags", "/api/show", "/v1/chat/completions", "/health",
+                "/metrics", "/static/status.js", "/api/statuses"]
+    assert [p for p in local_only if not re.search(pattern, p)] == []
+    assert [p for p in anywhere if re.search(pattern, p)] == []
 
 
 def test_cluster_hashes_on_the_session_headers_in_kvproxys_order():
@@ -158,16 +167,18 @@ def test_units_share_user_folder_and_settings():
     assert "--slot-save-path ${KVPROXY_SLOT_DIR}" in llama["Service"]["ExecStart"]
     assert env["KVPROXY_UPSTREAM"] == f"http://127.0.0.1:{env['LLAMA_PORT']}"
     assert "--port ${LLAMA_PORT}" in llama["Service"]["ExecStart"]
-    assert env["LLAMA_SLOTS"] == "1"
+    assert "-np ${LLAMA_SLOTS}" in llama["Service"]["ExecStart"] and int(env["LLAMA_SLOTS"]) >= 1
     # kvproxy pins every request to a slot: llama-server's own similarity pick stays off.
     assert "--slot-prompt-similarity 0" in llama["Service"]["ExecStart"]
 
 
 def test_kvproxy_starts_after_and_stops_before_llama_server():
-    """It needs llama-server on the way out, to save the session the slot holds."""
+    """It needs llama-server on the way out, to save the session each slot holds, also when
+    only llama-server is stopped or restarted (PartOf)."""
     unit_section = unit("kvproxy.service")["Unit"]
     assert "llama-server.service" in unit_section["After"].split()
     assert "llama-server.service" in unit_section["Wants"].split()
+    assert "llama-server.service" in unit_section["PartOf"].split()
 
 
 def test_stop_timeout_covers_the_graceful_stop_and_the_save(monkeypatch):

@@ -87,6 +87,35 @@ def test_status_shows_slot_sessions_outcomes_swaps_disk_and_llama(fake_app, tmp_
     assert data["restore_check"]["reset"] == "/api/sessions/restore-check/reset"
 
 
+def test_every_slot_is_a_row_with_its_own_session_and_state_and_swaps_name_their_slot(
+        fake_app, tmp_path):
+    mock = responses.RequestsMock(assert_all_requests_are_fired=False)
+    mock.start()
+    try:
+        fake = FakeLlama(mock, tmp_path, n_slots=2)
+        app = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM,
+                          "base_snapshots": False})
+        client = app.test_client()
+        chat(client, "alice")
+        chat(client, "bob")       # slot 0 holds alice: bob takes the empty slot 1
+        switch = app.extensions["kvproxy.switch"]
+        lease = switch.acquire(Session("bob", "t", key=client_key("bob")))
+        try:
+            data = client.get("/api/status").get_json()
+        finally:
+            switch.release(lease)
+    finally:
+        mock.stop()
+        mock.reset()
+    held = {s["session_id"]: s for s in data["slots"]}
+    assert [s["id"] for s in data["slots"]] == [0, 1] and set(held) == {"alice", "bob"}
+    assert held["bob"]["id"] == lease.slot != held["alice"]["id"]
+    assert held["bob"]["busy"] is True and held["alice"]["busy"] is False
+    assert all(s["n_ctx"] == fake.n_ctx for s in data["slots"])
+    assert sorted((s["session_id"], s["slot"]) for s in data["swaps"]) == [
+        ("alice", held["alice"]["id"]), ("bob", held["bob"]["id"])]
+
+
 def test_busy_while_a_request_holds_the_slot(fake_app):
     app, _ = fake_app()
     switch = app.extensions["kvproxy.switch"]

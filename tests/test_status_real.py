@@ -14,6 +14,7 @@ import openai
 import pytest
 import requests
 
+from kvproxy.restore_check import CHECK_FILE
 from tests.conftest import Stack
 
 pytestmark = pytest.mark.real
@@ -141,6 +142,7 @@ def test_page_in_a_browser(guarded, browser, tmp_path):
 
 
 def test_page_on_a_phone_in_dark_mode(guarded, browser, tmp_path):
+    ask(guarded, "phoebe")
     page, problems, _ = open_page(browser, guarded, viewport={"width": 390, "height": 844},
                                   color_scheme="dark", device_scale_factor=2)
     page.fill("#token", TOKEN)
@@ -169,13 +171,17 @@ def test_clear_and_reset_buttons(guarded, browser):
     assert admin(guarded, "/api/sessions/current").json()["session_id"] == "default"
     assert "erin" in page.inner_text("#sessions tbody"), "clearing saves the session first"
 
-    # The reset call comes with the reliability work; without it the page says so.
-    has_reset = requests.post(guarded.url + "/api/sessions/restore-check/reset", timeout=30,
-                              headers={"Authorization": f"Bearer {TOKEN}"}).status_code not in (404, 405)
+    # Restoring switched off for another llama-server sharing the folder: the page says so,
+    # and its Reset button switches it on again.
+    check_file = guarded.slot_dir / CHECK_FILE
+    check_file.write_text(json.dumps({"another-llama-server": {
+        "misses": 0, "off_since": "2026-01-01T00:00:00+00:00", "off_until": "2999-01-01T00:00:00+00:00"}}))
+    shows_off = "document.getElementById('restore-check').textContent.includes('Switched off for 1 other')"
+    wait_until(page, shows_off)
     page.click("#reset-restore-check")
-    expected = ("Restore check reset." if has_reset
-                else "This kvproxy has no call to reset the restore check.")
-    wait_until(page, "text => document.getElementById('message').textContent === text", expected)
+    wait_until(page, "document.getElementById('message').textContent === 'Restore check reset.'")
+    wait_until(page, f"!({shows_off})")
+    assert json.loads(check_file.read_text()) == {}
     assert any(u.endswith("/api/sessions/restore-check/reset") for u in urls)
     page.close()
 

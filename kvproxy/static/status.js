@@ -122,10 +122,6 @@ async function refresh() {
 async function act(method, path, done) {
   try {
     const response = await api(method, path);
-    if ((response.status === 404 || response.status === 405) && path === RESTORE_CHECK_RESET) {
-      showMessage("This kvproxy has no call to reset the restore check.", true);
-      return;
-    }
     if (!response.ok) throw new Error(await errorText(response));
     showMessage(done, false);
   } catch (err) {
@@ -219,10 +215,11 @@ function renderRestoreCheck(check) {
 
 function renderSwaps(swaps) {
   $("swaps").tBodies[0].innerHTML = swaps.length ? swaps.map((s) => `<tr>
-    <td>${esc(new Date(s.at).toLocaleTimeString())}</td><td class="id">${esc(s.session_id)}</td>
+    <td>${esc(new Date(s.at).toLocaleTimeString())}</td><td class="num">${num(s.slot)}</td>
+    <td class="id">${esc(s.session_id)}</td>
     <td class="outcome-${esc(s.cache)}">${esc(s.cache)}</td><td class="num">${s.ms.toFixed(1)}</td>
     <td class="num opt">${num(s.restored_tokens)}</td></tr>`).join("")
-    : `<tr><td colspan="5" class="muted">No swaps since kvproxy started.</td></tr>`;
+    : `<tr><td colspan="6" class="muted">No swaps since kvproxy started.</td></tr>`;
 }
 
 function sortedSessions(rows) {
