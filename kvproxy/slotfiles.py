@@ -45,13 +45,21 @@ class SlotFiles:
                 self._n_ctx[entry["id"]] = int(entry["n_ctx"])
         return next((s for s in slots if isinstance(s, dict) and s.get("id") == slot), None)
 
+    def save_held(self, slot: int, state: dict, made_by: dict,
+                  keep: set[str] = frozenset()) -> dict | None:
+        """Save the session the state table says ``slot`` holds (``state``, its entry) into
+        its own file; as ``_save``. The caller holds the slot and has checked that it still
+        holds that session."""
+        return self._save(state["active"], state["active_stem"], made_by, kind="session",
+                          system_hash=state.get("active_system_hash"), slot=slot, keep=keep,
+                          tokens=int(state.get("slot_tokens") or 0))
+
     def _save(self, session_id: str, stem: str, made_by: dict, kind: str,
-              system_hash: str | None, keep: set[str] = frozenset(), slot: int | None = None,
+              system_hash: str | None, slot: int, keep: set[str] = frozenset(),
               tokens: int | None = None) -> dict | None:
-        """Save the slot as ``<stem>.bin``: room made first, written under a temporary name,
+        """Save ``slot`` as ``<stem>.bin``: room made first, written under a temporary name,
         checked, then renamed over the old file. A disk that cannot take it raises
         StorageError with the old file untouched; llama-server out of reach gives None."""
-        slot = self.slot_ids()[0] if slot is None else slot
         table = self.store.read_table()
         # Files of sessions other slots hold stay too: they may be saved over, not evicted.
         protected = {stem, *keep, *(e.get("active_stem") for e in table.values())}
@@ -102,9 +110,8 @@ class SlotFiles:
                 return None
         return self._n_ctx.get(slot)
 
-    def _restorable(self, stem: str, made_by: dict, slot: int | None = None) -> dict | None:
+    def _restorable(self, stem: str, made_by: dict, slot: int) -> dict | None:
         """The sidecar of a file that may be restored into this llama-server's ``slot``, else None."""
-        slot = self.slot_ids()[0] if slot is None else slot
         if not self.store.has_bin(stem):
             return None
         sidecar = self.store.read_sidecar(stem)
@@ -135,11 +142,9 @@ class SlotFiles:
         return sidecar
 
     def _load(self, session: Session, made_by: dict, restoring_off: bool,
-              prompt: PromptView | None = None, slot: int | None = None
-              ) -> tuple[str, int, str | None]:
-        """Fill the slot for ``session``: its own file, else a base snapshot, else empty
+              prompt: PromptView | None, slot: int) -> tuple[str, int, str | None]:
+        """Fill ``slot`` for ``session``: its own file, else a base snapshot, else empty
         (and then, for a system prompt seen first, a snapshot of that system prompt alone)."""
-        slot = self.slot_ids()[0] if slot is None else slot
         if session.persistent and not restoring_off:
             candidates = [(session.stem, RESTORED)]
             if self.base_snapshots and session.system_hash:
@@ -162,8 +167,7 @@ class SlotFiles:
         sidecar = self.store.read_sidecar(stem)
         return not (self.store.has_bin(stem) and sidecar and sidecar.get("made_by") == made_by)
 
-    def _make_base(self, session: Session, made_by: dict, prompt: PromptView,
-                   slot: int | None = None) -> int:
+    def _make_base(self, session: Session, made_by: dict, prompt: PromptView, slot: int) -> int:
         """Prefill the system prompt alone and save it as the base snapshot.
 
         Never the first user's message or answer: a later conversation could
@@ -171,7 +175,6 @@ class SlotFiles:
         the tokens the slot then holds (0 when no base was made).
         """
         system_hash = session.system_hash
-        slot = self.slot_ids()[0] if slot is None else slot
         try:
             tokens = prompt.system_tokens(MIN_BASE_TOKENS)
             if not tokens or len(tokens) < MIN_BASE_TOKENS:
@@ -191,8 +194,7 @@ class SlotFiles:
             self.store.update_sidecar(base_stem(system_hash), {}, prefill_computed=computed)
         return len(tokens)
 
-    def _restore(self, stem: str, slot: int | None = None) -> int | None:
-        slot = self.slot_ids()[0] if slot is None else slot
+    def _restore(self, stem: str, slot: int) -> int | None:
         started = time.monotonic()
         try:
             answer = self.client.slot_action(slot, "restore", f"{stem}.bin")
@@ -207,8 +209,7 @@ class SlotFiles:
                                   last_used_at=now_iso(), restored_into_slot=slot)
         return int(answer.get("n_restored") or 0)
 
-    def _erase(self, slot: int | None = None) -> None:
-        slot = self.slot_ids()[0] if slot is None else slot
+    def _erase(self, slot: int) -> None:
         started = time.monotonic()
         self.client.slot_action(slot, "erase")
         metrics.observe_swap("erase", time.monotonic() - started, 0)

@@ -100,7 +100,7 @@ class SlotSwitch(SlotFiles):
         self._n_ctx: dict[int, int] = {}  # per slot, from /slots
         self._busy_since: dict[int, str] = {}
         # Per slot: a connection to llama-server that existed when kvproxy last recorded what
-        # the slot holds. Still open: llama-server did not restart since (see _slot_view).
+        # the slot holds. Still open: llama-server did not restart since (see slot_view).
         self._witness: dict[int, Any] = {}
         # Per slot: when this process last wrote its used_at (see _after_request).
         self._used_at_written: dict[int, float] = {}
@@ -168,7 +168,7 @@ class SlotSwitch(SlotFiles):
                 if isinstance(exc, ClientGone):
                     self.pool.give_back(slot)
                     raise
-                self._mark_unknown(slot)
+                self.mark_unknown(slot)
                 self.pool.give_back(slot)
                 if isinstance(exc, (UpstreamError, UpstreamUnavailable, SlotUnavailable,
                                     StorageError)) or not isinstance(exc, Exception):
@@ -181,7 +181,7 @@ class SlotSwitch(SlotFiles):
             lease._release = lambda: self.pool.give_back(slot)
             return lease
 
-    def _mark_unknown(self, slot: int) -> None:
+    def mark_unknown(self, slot: int) -> None:
         """After a failed swap: trust nothing the slot holds until its next good swap.
 
         Kept in memory and, when the disk allows, in the state file, so another
@@ -248,12 +248,10 @@ class SlotSwitch(SlotFiles):
     def current_made_by(self) -> dict:
         return fingerprint(self.client.props(), self.client.models())
 
-    def _swap_to(self, session: Session, prompt: PromptView | None = None,
-                 slot: int | None = None) -> Lease:
-        slot = self.slot_ids()[0] if slot is None else slot
+    def _swap_to(self, session: Session, prompt: PromptView | None, slot: int) -> Lease:
         state = self.store.read_state(slot)
         keep = state.get("active_key") == session.key
-        view = self._slot_view(state, slot, trust_connection=keep)
+        view = self.slot_view(state, slot, trust_connection=keep)
         plan = plan_swap(state, session.key, view)
         if plan.hit:
             metrics.SWAPS.labels("none").inc()
@@ -263,9 +261,7 @@ class SlotSwitch(SlotFiles):
         made_by = self.current_made_by()
         if plan.save_active:
             metrics.SLOT_SWAPS.labels(str(slot), "save").inc()
-            self._save(state["active"], state["active_stem"], made_by, kind="session",
-                       system_hash=state.get("active_system_hash"), keep=incoming_stems(session),
-                       slot=slot, tokens=int(state.get("slot_tokens") or 0))
+            self.save_held(slot, state, made_by, keep=incoming_stems(session))
         elif plan.keep_file:
             log.info("not saving session %s: slot %d is %s (kvproxy cannot prove it "
                      "holds that session); its file stays as it was", state["active"], slot, view)
@@ -308,8 +304,7 @@ class SlotSwitch(SlotFiles):
                      "going there instead of slot %d", session.id, other, slot)
             raise HeldElsewhere()
 
-    def _slot_view(self, state: dict, slot: int | None = None,
-                   trust_connection: bool = False) -> str:
+    def slot_view(self, state: dict, slot: int, trust_connection: bool = False) -> str:
         """Whether the slot holds what kvproxy's last action left in it (``OURS``), or not.
 
         With ``trust_connection``, a connection still open since the last slot
@@ -319,7 +314,6 @@ class SlotSwitch(SlotFiles):
         prefill (llama-server answers from what it holds either way). A swap
         always asks: an uncertain slot must never be saved over a session's file.
         """
-        slot = self.slot_ids()[0] if slot is None else slot
         if slot in self._uncertain or state.get("slot_unknown"):
             return UNKNOWN
         expected = int(state.get("slot_tokens") or 0)
@@ -344,7 +338,7 @@ class SlotSwitch(SlotFiles):
                 if lease.cache == HIT:
                     self._erase(one)
             except BaseException:
-                self._mark_unknown(one)
+                self.mark_unknown(one)
                 raise
             finally:
                 if lease is not None:
@@ -371,11 +365,9 @@ class SlotSwitch(SlotFiles):
         try:
             state = self.store.read_state(slot)
             if not (state.get("active_persistent") and state.get("active")) \
-                    or self._slot_view(state, slot) != OURS:
+                    or self.slot_view(state, slot) != OURS:
                 return False
-            return self._save(state["active"], state["active_stem"], self.current_made_by(),
-                              kind="session", system_hash=state.get("active_system_hash"),
-                              slot=slot, tokens=int(state.get("slot_tokens") or 0)) is not None
+            return self.save_held(slot, state, self.current_made_by()) is not None
         except (UpstreamError, UpstreamUnavailable, StorageError) as exc:
             log.warning("could not save the active session of slot %d at shutdown: %s", slot, exc)
             return False

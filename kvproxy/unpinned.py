@@ -61,15 +61,13 @@ def _save_unsaved(switch: "SlotSwitch", slots: list[int]) -> None:
     made_by = switch.current_made_by()
     for slot in due:
         entry = table[slot]
-        view = switch._slot_view(entry, slot)
+        view = switch.slot_view(entry, slot)
         if view != OURS:
             log.info("not saving session %s before a side request: slot %d is %s",
                      entry["active"], slot, view)
             continue
         try:
-            switch._save(entry["active"], entry["active_stem"], made_by, kind="session",
-                         system_hash=entry.get("active_system_hash"), slot=slot,
-                         tokens=int(entry.get("slot_tokens") or 0))
+            switch.save_held(slot, entry, made_by)
         except StorageError as exc:
             log.warning("could not save session %s of slot %d before a side request: %s",
                         entry["active"], slot, exc)
@@ -85,11 +83,11 @@ def _mark_landed(switch: "SlotSwitch", leased: int, slots: list[int]) -> None:
         log.warning("GET /slots failed after a side request (%s): slots %s are treated as "
                     "unproven", exc, slots)
         for slot in slots:
-            switch._mark_unknown(slot)
+            switch.mark_unknown(slot)
         return
     table = switch.store.read_table()
     for slot in side_landed_in(table, listing if isinstance(listing, list) else [], slots):
         log.info("llama-server ran the side request in slot %d, not in slot %d it was pinned "
                  "to: session %s there comes back from its file", slot, leased,
                  (table.get(slot) or {}).get("active"))
-        switch._mark_unknown(slot)
+        switch.mark_unknown(slot)

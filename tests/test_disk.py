@@ -106,7 +106,7 @@ def test_a_sidecar_that_cannot_be_written_keeps_file_and_sidecar_together(tmp_pa
     assert SessionStore(tmp_path).read_sidecar(A.stem)["saved_bytes"] == len(good)
     turn(switch, A, fake, tokens=40)    # the slot still holds A: a hit
     fake.tokens = 0
-    switch._erase()                       # llama-server lost it: A comes back from its file
+    switch._erase(0)                      # llama-server lost it: A comes back from its file
     SessionStore(tmp_path).write_state({})
     assert turn(switch, A, fake).cache == RESTORED
 
@@ -117,7 +117,7 @@ def test_an_empty_slot_never_replaces_a_saved_file(tmp_path, fake):
     turn(switch, B, fake)
     good = (tmp_path / f"{A.stem}.bin").read_bytes()
     fake.tokens = 0
-    assert switch._save("A", A.stem, switch.current_made_by(), "session", None) is None
+    assert switch._save("A", A.stem, switch.current_made_by(), "session", None, slot=0) is None
     assert (tmp_path / f"{A.stem}.bin").read_bytes() == good
 
 

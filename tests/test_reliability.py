@@ -229,12 +229,12 @@ def test_a_failed_swap_makes_the_slot_untrusted(tmp_path, fake, monkeypatch):
             switch.acquire(A)
     assert fake.actions[-1] == ("restore", f"{A.stem}.bin")
     other_process = make_switch(tmp_path)      # shares the folder, not this process's memory
-    assert other_process._slot_view(SessionStore(tmp_path).read_state()) == UNKNOWN
+    assert other_process.slot_view(SessionStore(tmp_path).read_state(), 0) == UNKNOWN
     since = len(fake.actions)
     lease = turn(switch, B, fake)
     assert lease.cache == RESTORED, "not a hit on what the failed swap left"
     assert fake.actions[since:] == [("restore", f"{B.stem}.bin")], "and nothing saved"
-    assert other_process._slot_view(SessionStore(tmp_path).read_state()) != UNKNOWN
+    assert other_process.slot_view(SessionStore(tmp_path).read_state(), 0) != UNKNOWN
 
 
 # -- the restore check ------------------------------------------------------------------
@@ -325,4 +325,4 @@ def test_delete_active_session_while_llama_server_is_down(tmp_path, fake):
     assert reply.status_code == 204
     assert not (tmp_path / f"{A.stem}.bin").exists() and not (tmp_path / f"{A.stem}.json").exists()
     assert SessionStore(tmp_path).read_state()["active"] == "default"
-    assert switch._slot_view(SessionStore(tmp_path).read_state()) == UNKNOWN
+    assert switch.slot_view(SessionStore(tmp_path).read_state(), 0) == UNKNOWN
