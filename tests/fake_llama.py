@@ -50,6 +50,7 @@ class FakeLlama:
         # When set, saves write llama-server's real layout with these token ids at the head.
         self.slot_token_ids: list[int] | None = None
         self.prefills: list[list[int]] = []
+        self.prefill_reused = 0   # tokens a prefill finds cached (llama-server's RAM cache)
         mock.add_callback(responses.POST, re.compile(rf"{UPSTREAM}/slots/\d+\?action=\w+"),
                           callback=self._slot)
         mock.add_callback(responses.GET, f"{UPSTREAM}/props", callback=lambda r: self._json(self.props))
@@ -84,8 +85,9 @@ class FakeLlama:
         body = json.loads(request.body)
         self.prefills.append(body["prompt"])
         self.held[self._slot_of(body)] = len(body["prompt"])
-        return self._json({"content": "", "timings": {"cache_n": 0, "prompt_n": len(body["prompt"]),
-                                                      "predicted_n": 0}})
+        reused = min(self.prefill_reused, len(body["prompt"]))
+        return self._json({"content": "", "timings": {
+            "cache_n": reused, "prompt_n": len(body["prompt"]) - reused, "predicted_n": 0}})
 
     def slot_entry(self, slot: int = 0) -> dict:
         """As llama-server lists it: no id_task until a task ran since start."""

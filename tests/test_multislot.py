@@ -304,3 +304,21 @@ def test_this_process_s_own_use_orders_the_slots_before_the_table_shows_it():
     facts = facts_from_table(table, [0, 1], [], {0: "2026-01-01T00:00:04.000+00:00",
                                                  1: "2026-01-01T00:00:01.000+00:00"})
     assert [f.used_at[17:19] for f in facts] == ["04", "03"]
+
+
+def test_a_file_whose_session_another_slot_holds_is_never_evicted(mock, tmp_path):
+    """Even when it is the least recently used file: the slot may be saved over it, but
+    evicting it would lose the session's way back should that slot be lost."""
+    fake = fake_with(mock, tmp_path, 2)
+    switch = switch_over(tmp_path, max_disk_bytes=40)      # room for two 16-byte files
+    answer(switch, B, fake, tokens=12)                      # slot 0
+    answer(switch, A, fake, tokens=12)                      # slot 1
+    answer(switch, C, fake, tokens=12)                      # slot 0: B saved
+    held_b = answer(switch, B, fake, tokens=12)             # slot 1: A saved, B restored
+    assert held_b.cache == RESTORED
+    store = SessionStore(tmp_path)
+    store.update_sidecar(B.stem, {}, last_used_at="2000-01-01T00:00:00+00:00")
+    answer(switch, Session("D", "test"), fake, tokens=12)   # slot 0: saving C needs room
+    assert (tmp_path / f"{B.stem}.bin").exists(), "the file of the session slot 1 holds"
+    assert not (tmp_path / f"{A.stem}.bin").exists(), "the least recently used of the rest"
+    assert (tmp_path / f"{C.stem}.bin").exists()

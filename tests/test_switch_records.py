@@ -142,6 +142,29 @@ def test_base_snapshot_sidecar_and_metric(tmp_path, fake):
     assert metric("kvproxy_swaps_total", kind="base") == before + 1
 
 
+def test_the_base_prefill_counts_its_tokens_reused_and_computed(tmp_path, fake):
+    """The prefill is kvproxy's own request: no answer reports its tokens, so the switch
+    counts them (llama-server's RAM cache can serve part of it)."""
+    switch = make_switch(tmp_path, base_snapshots=True)
+    fake.prefill_reused = 30
+    reused, computed = metric("kvproxy_prompt_tokens_total", kind="reused"), \
+        metric("kvproxy_prompt_tokens_total", kind="computed")
+    switch.release(switch.acquire(A, prompt=FakePrompt(range(110), list(range(100)))))
+    assert metric("kvproxy_prompt_tokens_total", kind="reused") == reused + 30
+    assert metric("kvproxy_prompt_tokens_total", kind="computed") == computed + 70
+    assert SessionStore(tmp_path).read_sidecar(base_stem("aaaa"))["prefill_computed"] == 70
+
+
+def test_no_base_from_a_side_request_or_a_prompt_without_system(tmp_path, fake):
+    """A side request (title, tags) is not a conversation: its system prompt is no base."""
+    switch = make_switch(tmp_path, base_snapshots=True)
+    prompt = FakePrompt(range(110), list(range(100)))
+    answer(switch, Session("task", "side-request", persistent=False, system_hash="aaaa"),
+           fake, prompt=prompt)
+    answer(switch, Session("plain", "test"), fake, prompt=prompt)   # no system hash
+    assert fake.prefills == [] and not list(tmp_path.glob("base.*"))
+
+
 def test_a_base_is_not_saved_again_when_a_session_starts_empty(tmp_path, fake):
     """A session that cannot use the base (its restore failed) must not overwrite it."""
     switch = make_switch(tmp_path, base_snapshots=True)
