@@ -55,8 +55,13 @@ run: setup
 # The status page test drives Debian's chromium headless (Playwright's own browsers are not used).
 .PHONY: browser
 browser:
-	@command -v chromium >/dev/null || { echo "== installing chromium (status page test)"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+	@command -v chromium >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "== installing chromium (status page test)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else \
+	    echo "== chromium is not installed and cannot be installed here: apt-get install chromium"; \
+	  fi; }
 
 test: setup nginx browser claude-cli
 	$(BIN)/python -m pytest -m "not deploy"
