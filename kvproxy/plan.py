@@ -94,11 +94,12 @@ def save_before_side(entry: dict) -> bool:
                 and not entry.get("slot_unknown"))
 
 
-def side_landed_in(table: dict[int, dict], listing: list, slots: list[int]) -> list[int]:
+def side_landed_in(table: dict[int, dict], listing, slots: list[int]) -> list[int]:
     """The ``slots`` whose ``/slots`` entry no longer shows what the state table says they
     hold: a side request llama-server did not pin ran there. Slots already unproven are
-    left out (nothing there is trusted anyway)."""
-    entries = {e.get("id"): e for e in listing if isinstance(e, dict)}
+    left out (nothing there is trusted anyway); an answer that is not a list proves nothing."""
+    entries = {e.get("id"): e for e in (listing if isinstance(listing, list) else [])
+               if isinstance(e, dict)}
     changed = []
     for slot in slots:
         entry = table.get(slot) or {}

@@ -86,7 +86,7 @@ def _mark_landed(switch: "SlotSwitch", leased: int, slots: list[int]) -> None:
             switch.mark_unknown(slot)
         return
     table = switch.store.read_table()
-    for slot in side_landed_in(table, listing if isinstance(listing, list) else [], slots):
+    for slot in side_landed_in(table, listing, slots):
         log.info("llama-server ran the side request in slot %d, not in slot %d it was pinned "
                  "to: session %s there comes back from its file", slot, leased,
                  (table.get(slot) or {}).get("active"))

@@ -102,6 +102,8 @@ def test_a_slot_whose_contents_changed_is_named_and_an_unchanged_one_is_not():
                {"id": 2, "id_task": 9, "n_prompt_tokens": 3}]
     assert side_landed_in(table, listing, [0, 1, 2]) == [1]
     assert side_landed_in(table, [], [0]) == [0], "a slot /slots does not list is not trusted"
+    for odd in (None, {"error": "x"}, "slots"):
+        assert side_landed_in(table, odd, [0, 1]) == [0, 1], f"/slots answered {odd!r}"
 
 
 # -- the state table -----------------------------------------------------------------------
@@ -151,6 +153,21 @@ def test_a_side_task_that_runs_where_it_was_pinned_leaves_the_other_slot_trusted
         assert client.post("/v1/embeddings", json={"input": "x"}).status_code == 200
     assert "ran the side request in slot" not in caplog.text
     assert chat(client, "B").headers["X-KVProxy-Cache"] == "hit"
+
+
+def test_a_slot_that_cannot_be_saved_does_not_stop_the_next_one_being_saved(tmp_path):
+    with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
+        fake = FakeLlama(mock, tmp_path, n_slots=3)
+        UnpinnedTasks(fake)
+        app = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM, "lock_timeout": 0.5,
+                          "base_snapshots": False})
+        client = app.test_client()
+        for session in ("A", "B", "C"):
+            chat(client, session)                # slots 0, 1, 2; A least recently used
+        fake.held[slot_of(tmp_path, "B")] = 999  # another client used B's slot directly
+        assert client.post("/v1/embeddings", json={"input": "x"}).status_code == 200
+        assert not saves_of(fake, stem_of(tmp_path, "B")), "never save a slot kvproxy cannot vouch for"
+        assert saves_of(fake, stem_of(tmp_path, "C")), "the next slot is still saved"
 
 
 def test_a_burst_of_side_tasks_saves_each_conversation_once(app, fake, tasks, tmp_path):
