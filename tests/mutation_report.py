@@ -67,14 +67,14 @@ def changed_lines(diff: str) -> list[str]:
 
 def only_log_text(module: str, diff: str) -> bool:
     """Whether every line the mutant changes lies inside a logging call (wherever the same
-    text appears in the module)."""
-    removed = [line[1:] for line in changed_lines(diff) if line.startswith("-")]
+    text appears in the module; mutmut's diffs show methods dedented)."""
+    removed = [line[1:].strip() for line in changed_lines(diff) if line.startswith("-")]
     if not removed:
         return False
     source = source_of(module).read_text().splitlines()
     inside = log_call_lines(module)
     for text in removed:
-        numbers = [n for n, line in enumerate(source, 1) if line == text]
+        numbers = [n for n, line in enumerate(source, 1) if line.strip() == text]
         if not numbers or any(n not in inside for n in numbers):
             return False
     return True

@@ -8,7 +8,7 @@ import responses
 
 from kvproxy import metrics
 from kvproxy.identity import Session, base_stem
-from kvproxy.llama import LlamaClient
+from kvproxy.llama import LlamaClient, UpstreamError
 from kvproxy.store import SessionStore, StorageError
 from kvproxy.switch import MISS, RESTORED, SlotBusy, SlotSwitch
 from tests.fake_llama import UPSTREAM, FakeLlama, FakePrompt, fake, make_switch  # noqa: F401 - fake is a fixture
@@ -153,6 +153,35 @@ def test_the_base_prefill_counts_its_tokens_reused_and_computed(tmp_path, fake):
     assert metric("kvproxy_prompt_tokens_total", kind="reused") == reused + 30
     assert metric("kvproxy_prompt_tokens_total", kind="computed") == computed + 70
     assert SessionStore(tmp_path).read_sidecar(base_stem("aaaa"))["prefill_computed"] == 70
+
+
+def test_a_prefill_served_from_cache_counts_nothing_computed(tmp_path, fake):
+    switch = make_switch(tmp_path, base_snapshots=True)
+    fake.prefill_reused = 1000
+    computed = metric("kvproxy_prompt_tokens_total", kind="computed")
+    switch.release(switch.acquire(A, prompt=FakePrompt(range(110), list(range(100)))))
+    assert metric("kvproxy_prompt_tokens_total", kind="computed") == computed
+    assert SessionStore(tmp_path).read_sidecar(base_stem("aaaa"))["prefill_computed"] == 0
+
+
+@pytest.mark.parametrize("why", ["short system prompt", "prefill failed"])
+def test_without_a_base_the_slot_is_recorded_empty(tmp_path, fake, monkeypatch, why):
+    """The state says what the slot holds after the swap: nothing, when no base was made."""
+    switch = make_switch(tmp_path, base_snapshots=True)
+    system = list(range(100))
+    if why == "short system prompt":
+        system = list(range(10))
+    else:
+        def refuse(tokens, slot):
+            raise UpstreamError(500, "prefill failed")
+        monkeypatch.setattr(switch.client, "prefill", refuse)
+    lease = switch.acquire(A, prompt=FakePrompt(range(110), system))
+    try:
+        assert lease.cache == MISS and lease.restored_tokens == 0
+        assert SessionStore(tmp_path).read_state(lease.slot)["slot_tokens"] == 0
+    finally:
+        switch.release(lease)
+    assert not list(tmp_path.glob("base.*"))
 
 
 def test_no_base_from_a_side_request_or_a_prompt_without_system(tmp_path, fake):

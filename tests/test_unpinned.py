@@ -102,6 +102,9 @@ def test_a_slot_whose_contents_changed_is_named_and_an_unchanged_one_is_not():
                {"id": 2, "id_task": 9, "n_prompt_tokens": 3}]
     assert side_landed_in(table, listing, [0, 1, 2]) == [1]
     assert side_landed_in(table, [], [0]) == [0], "a slot /slots does not list is not trusted"
+    unknown_first = {0: {"slot_unknown": True}, 1: {"slot_tokens": 12}}
+    assert side_landed_in(unknown_first, listing, [0, 1]) == [1], "the unproven slot is skipped"
+    assert side_landed_in({0: {}}, [{"id": 0}], [0]) == [], "an empty slot left empty"
     for odd in (None, {"error": "x"}, "slots"):
         assert side_landed_in(table, odd, [0, 1]) == [0, 1], f"/slots answered {odd!r}"
 
