@@ -5,7 +5,8 @@ import pytest
 import responses
 
 from kvproxy import create_app
-from kvproxy.identity import client_key, file_stem, normalise_id
+from kvproxy.identity import Session, client_key, file_stem, normalise_id
+from kvproxy.store import now_iso
 from tests.fake_llama import UPSTREAM, FakeLlama
 
 
@@ -77,3 +78,65 @@ def test_hostile_body_ids_cannot_break_reply_headers(app_and_fake, hostile, show
     shown = reply.headers["X-KVProxy-Session"]
     assert unquote(shown) == normalise_id(hostile)
     assert "\n" not in shown and shown.isascii()
+
+
+@pytest.fixture
+def two_slots(tmp_path):
+    """Two llama-server slots of 4096 tokens each, kvproxy in front (no admin token)."""
+    with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
+        fake = FakeLlama(mock, tmp_path, n_slots=2, n_ctx=4096)
+        app = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM, "lock_timeout": 2,
+                          "base_snapshots": False})
+        yield app, fake
+
+
+def test_api_slots_shows_each_slot_s_session_file_tokens_context_and_times(two_slots):
+    app, fake = two_slots
+    client = app.test_client()
+    switch = app.extensions["kvproxy.switch"]
+    before = now_iso()
+    assert chat(client, "alice").status_code == 200          # slot 0; slot 1 stays unused
+    lease = switch.acquire(Session("alice", "t", key=client_key("alice")))
+    try:
+        busy_rows = client.get("/api/slots").get_json()
+    finally:
+        switch.release(lease)
+    after = now_iso()
+    held = busy_rows[0]
+    assert before <= held["since"] <= held["last_used_at"] <= held["busy_since"] <= after, \
+        "changed session at the swap, last used by the answer, busy since the request took it"
+    unused = {"id": 1, "session_id": "default", "persistent": False, "file": None, "tokens": 0,
+              "n_ctx": 4096, "busy": False, "busy_since": None, "unproven": False,
+              "since": None, "last_used_at": None}
+    assert busy_rows == [
+        {"id": 0, "session_id": "alice", "persistent": True,
+         "file": f"{file_stem(client_key('alice'))}.bin", "tokens": 12, "n_ctx": 4096,
+         "busy": True, "busy_since": held["busy_since"], "unproven": False,
+         "since": held["since"], "last_used_at": held["last_used_at"]},
+        unused]
+    assert client.get("/api/slots").get_json() == [
+        {**held, "busy": False, "busy_since": None}, unused], "idle again once released"
+
+
+def test_a_failed_clear_answers_503_and_leaves_its_slot_free_but_unproven(two_slots):
+    """llama-server stops answering /props: a clear cannot swap, whether the slot holds a
+    session or nothing yet. Each slot is given back, and not trusted until a good swap."""
+    app, fake = two_slots
+    client = app.test_client()
+    assert chat(client, "alice").status_code == 200          # slot 0
+    fake.mock.replace(responses.GET, f"{UPSTREAM}/props", status=500, json={"error": "down"})
+    assert client.post("/api/sessions/clear").status_code == 503        # stops at slot 0
+    assert client.post("/api/sessions/clear?slot=1").status_code == 503
+    rows = client.get("/api/slots").get_json()
+    assert [(r["session_id"], r["busy"], r["unproven"]) for r in rows] == \
+        [("alice", False, True), ("default", False, True)]
+
+    fake.mock.replace(responses.CallbackResponse(
+        responses.GET, f"{UPSTREAM}/props", callback=lambda request: fake._json(fake.props)))
+    reply = chat(client, "alice")
+    assert reply.status_code == 200 and reply.headers["X-KVProxy-Cache"] != "hit", \
+        "what the failed clear left in the slot is not served as alice's"
+    assert client.post("/api/sessions/clear").get_json()["slots"] == [0, 1]
+    rows = client.get("/api/slots").get_json()
+    assert [(r["session_id"], r["busy"], r["unproven"]) for r in rows] == \
+        [("default", False, False), ("default", False, False)]

@@ -148,6 +148,30 @@ def test_the_state_never_names_a_session_the_slot_does_not_hold(tmp_path, fake, 
     switch.release(lease)
 
 
+
+def test_a_failed_swap_is_distrusted_even_when_the_state_file_cannot_say_so(tmp_path, fake,
+                                                                           monkeypatch):
+    """The disk is full for the whole swap: neither the swap nor the mark that it failed reaches
+    the state file, which still says the slot holds A. This process must not trust it."""
+    switch = make_switch(tmp_path)
+    turn(switch, A, fake)
+    real_write = store_module.write_json_atomic
+
+    def state_file_full(path, data):
+        if path.name == store_module.STATE_FILE:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(path, data)
+
+    monkeypatch.setattr(store_module, "write_json_atomic", state_file_full)
+    with pytest.raises(StorageError):
+        switch.acquire(B)
+    monkeypatch.setattr(store_module, "write_json_atomic", real_write)
+    assert state_names(tmp_path) == "A" and not SessionStore(tmp_path).read_state().get(
+        "slot_unknown")
+    lease = switch.acquire(A)
+    assert lease.cache == RESTORED, "an unproven slot is restored, never served as a hit"
+    switch.release(lease)
+
 # -- files that do not match their sidecar -----------------------------------
 def test_a_file_whose_size_does_not_match_is_moved_aside_not_restored(tmp_path, fake, caplog):
     switch = make_switch(tmp_path)
