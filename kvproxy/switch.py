@@ -230,13 +230,14 @@ class SlotSwitch(SlotFiles):
             unlock()
 
     # -- swapping ----------------------------------------------------------
-    def busy(self, slot: int | None = None) -> bool:
-        """Whether a request (or an admin action) in this process holds a slot (or ``slot``) now."""
-        held = self.pool.busy_here()
-        return bool(held) if slot is None else slot in held
+    def busy(self, slot: int) -> bool:
+        """Whether a request (or an admin action) in this process holds ``slot`` now."""
+        return slot in self.pool.busy_here()
 
     def busy_since(self, slot: int) -> str | None:
-        return self._busy_since.get(slot) if self.busy(slot) else None
+        """When the request holding ``slot`` took it: set once its swap is done, forgotten by
+        ``release`` before the slot is freed, so an idle slot has none."""
+        return self._busy_since.get(slot)
 
     def slot_listing(self) -> list[dict]:
         """Every driven slot as the admin API lists it: from the state table and this
