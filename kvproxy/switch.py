@@ -17,7 +17,7 @@ from urllib.parse import quote
 from typing import Any, Callable, Iterator
 
 from . import disk, metrics
-from .identity import DEFAULT_SESSION, Session
+from .identity import DEFAULT_SESSION, Session, file_stem
 from .activity import RecentActivity
 from .llama import LlamaClient, UpstreamError, UpstreamUnavailable
 from .plan import (EMPTY, FOREIGN, OURS, UNKNOWN, fingerprint, fingerprint_key, judge_slot,
@@ -382,7 +382,7 @@ class SlotSwitch(SlotFiles):
         unknown, so what it holds is never saved or trusted again.
         """
         stems = {s["stem"] for s in self.store.sidecars() if s.get("session_id") == session_id}
-        stems.add(Session(session_id, "admin").stem)  # a file left without its sidecar
+        stems.add(file_stem(session_id))  # a file left without its sidecar
         holders = [slot for slot, entry in self.store.read_table().items()
                    if entry.get("active") == session_id and slot in self.slot_ids()]
         taken = []
@@ -463,8 +463,9 @@ class SlotSwitch(SlotFiles):
         return int(entry.get("n_prompt_tokens") or 0) if entry and "id_task" in entry else 0
 
     def _verify_restore(self, lease: Lease, cache_n: int) -> None:
-        """Count restores that llama-server reported but did not use (see restore_check)."""
-        key = fingerprint_key(lease.made_by or self.current_made_by())
+        """Count restores that llama-server reported but did not use (see restore_check), for
+        the llama-server the swap found (every lease that restored carries it)."""
+        key = fingerprint_key(lease.made_by)
         if verify_restore(self.restore_check, self.store, lease, cache_n, key) == "not_honoured":
             metrics.RESTORE_MISSES.labels("not_honoured").inc()
 

@@ -277,6 +277,22 @@ def test_eviction_happens_before_the_save(tmp_path, fake):
     assert sizes_at_save and max(sizes_at_save) <= 40
 
 
+def test_room_for_a_base_snapshot_is_made_before_it_is_saved(tmp_path, fake):
+    """The base's size is estimated from its own tokens (the slot's record says nothing yet)."""
+    switch = make_switch(tmp_path, base_snapshots=True, max_disk_bytes=64)
+    sizes_at_save = []
+    fake.on_save = lambda name: sizes_at_save.append(
+        (name, sum(p.stat().st_size for p in tmp_path.glob("*.bin")) + fake.tokens + 4))
+    for name in ("s1", "s2", "s3"):                  # 16-byte files: s1 and s2 saved
+        turn(switch, Session(name, "test"), fake)
+    system = list(range(32))
+    lease = turn(switch, Session("new", "test", system_hash="cafe"), fake,
+                 prompt=FakePrompt(system + [900, 901], system))   # s3 saved, then the base
+    assert lease.cache == MISS and (tmp_path / f"{base_stem('cafe')}.bin").stat().st_size == 36
+    (base_save,) = [size for name, size in sizes_at_save if name.startswith(base_stem("cafe"))]
+    assert base_save <= 64, "the folder went over its bound while the base was written"
+
+
 def test_orphans_count_toward_the_bound_and_go_first(tmp_path, fake):
     switch = make_switch(tmp_path, max_disk_bytes=40)
     turn(switch, A, fake)

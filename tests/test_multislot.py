@@ -322,3 +322,73 @@ def test_a_file_whose_session_another_slot_holds_is_never_evicted(mock, tmp_path
     assert (tmp_path / f"{B.stem}.bin").exists(), "the file of the session slot 1 holds"
     assert not (tmp_path / f"{A.stem}.bin").exists(), "the least recently used of the rest"
     assert (tmp_path / f"{C.stem}.bin").exists()
+
+
+def test_forget_empties_the_slot_holding_the_session_and_leaves_the_others_alone(mock, tmp_path):
+    fake = fake_with(mock, tmp_path, 2)
+    switch = switch_over(tmp_path)
+    assert answer(switch, B, fake).slot == 0
+    assert answer(switch, A, fake, tokens=30).slot == 1      # not the first slot
+    assert switch.forget("A") is True
+    assert fake.held == [20, 0]
+    assert [(row["session_id"], row["unproven"]) for row in switch.slot_listing()] == \
+        [("B", False), ("default", False)]
+    lease = switch.acquire(A)
+    switch.release(lease)
+    assert lease.cache == MISS, "nothing of a forgotten session is served again"
+    lease = switch.acquire(B)
+    switch.release(lease)
+    assert (lease.slot, lease.cache) == (0, HIT)
+
+
+def test_forget_does_not_wait_for_a_slot_busy_with_another_session(mock, tmp_path):
+    fake = fake_with(mock, tmp_path, 2)
+    switch = switch_over(tmp_path, lock_timeout=0.5)
+    assert answer(switch, A, fake).slot == 0
+    busy = switch.acquire(B)
+    try:
+        assert switch.forget("A") is True
+        assert fake.held[0] == 0
+    finally:
+        switch.release(busy)
+
+
+def test_forget_empties_every_slot_of_the_id_when_one_changed_hands_first(mock, tmp_path,
+                                                                          monkeypatch):
+    """One id in two slots (two system prompts); another process swaps the first slot to
+    another session just before forget gets to it: the second slot is emptied all the same."""
+    fake = fake_with(mock, tmp_path, 2)
+    switch, other = switch_over(tmp_path), switch_over(tmp_path)
+    first = Session("A", "test", system_hash="aaaa", key="A#aaaa")
+    second = Session("A", "test", system_hash="cccc", key="A#cccc")
+    assert answer(switch, first, fake).slot == 0
+    assert answer(switch, second, fake, tokens=30).slot == 1
+    lock = switch.pool.lock(0)
+    take = lock.acquire
+
+    def other_process_first(*args, **kwargs):
+        monkeypatch.setattr(lock, "acquire", take)
+        assert answer(other, C, fake).slot == 0
+        return take(*args, **kwargs)
+    monkeypatch.setattr(lock, "acquire", other_process_first)
+    assert switch.forget("A") is True
+    assert fake.held == [20, 0] and not list(tmp_path.glob("A-*"))
+    assert [row["session_id"] for row in switch.slot_listing()] == ["C", "default"]
+    lease = switch.acquire(second)
+    switch.release(lease)
+    assert lease.cache == MISS
+
+
+def test_the_save_at_shutdown_waits_for_busy_slots_within_one_bound_for_all(mock, tmp_path):
+    fake_with(mock, tmp_path, 5)
+    switch = switch_over(tmp_path)
+    leases = [switch.acquire(Session(f"s{n}", "test")) for n in range(5)]
+    assert sorted(lease.slot for lease in leases) == [0, 1, 2, 3, 4]
+    started = time.monotonic()
+    try:
+        assert switch.checkpoint(timeout=0.2) is False
+        waited = time.monotonic() - started
+    finally:
+        for lease in leases:
+            switch.release(lease)
+    assert waited < 2.5, "the bound covers every slot together, not each slot"

@@ -326,3 +326,4 @@ def test_delete_active_session_while_llama_server_is_down(tmp_path, fake):
     assert not (tmp_path / f"{A.stem}.bin").exists() and not (tmp_path / f"{A.stem}.json").exists()
     assert SessionStore(tmp_path).read_state()["active"] == "default"
     assert switch.slot_view(SessionStore(tmp_path).read_state(), 0) == UNKNOWN
+    assert switch.slot_listing()[0]["unproven"], "listed as unproven, for every process"

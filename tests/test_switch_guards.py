@@ -74,6 +74,52 @@ def test_an_emptied_slot_that_started_empty_is_not_saved_over_the_session(tmp_pa
     assert not SessionStore(tmp_path).has_bin(A.stem)
 
 
+# -- an answer cut short (no timings: client gone, shutdown) ----------------------------
+def test_after_an_answer_cut_short_the_next_swap_still_saves_what_the_slot_holds(tmp_path, fake):
+    """Without timings, /slots (asked before the slot is freed) says what the slot holds."""
+    switch = make_switch(tmp_path)
+    answer(switch, A, fake, 100)
+    lease = switch.acquire(A)
+    fake.tokens = 140                # the answer got this far before it was cut
+    switch.release(lease)
+    answer(switch, B, fake, 50)
+    assert (SessionStore(tmp_path).read_sidecar(A.stem) or {}).get("n_tokens") == 140
+
+
+@pytest.mark.parametrize("slots", ["unreachable", "without the slot"])
+def test_when_slots_cannot_tell_after_a_cut_the_slot_keeps_its_record(tmp_path, fake,
+                                                                     monkeypatch, slots):
+    """The slot still holds what kvproxy recorded before the cut answer: it is still saved,
+    and the answer still counts for its session."""
+    from kvproxy.llama import UpstreamUnavailable
+
+    def unreachable():
+        raise UpstreamUnavailable("llama-server is not reachable")
+    switch = make_switch(tmp_path)
+    answer(switch, A, fake, 100)
+    lease = switch.acquire(A)
+    with monkeypatch.context() as patch:
+        patch.setattr(switch.client, "slots", unreachable if slots == "unreachable" else list)
+        switch.release(lease)
+    answer(switch, B, fake, 50)
+    sidecar = SessionStore(tmp_path).read_sidecar(A.stem) or {}
+    assert (sidecar.get("n_tokens"), sidecar.get("hits")) == (100, 2)
+
+
+def test_a_new_session_cut_before_its_slot_was_filled_needs_no_swap_next_time(tmp_path, fake,
+                                                                              monkeypatch):
+    """llama-server ran a task in the slot but kept no tokens: the slot is as empty as the
+    swap left it, so the session's next request uses it as it is."""
+    switch = make_switch(tmp_path)
+    lease = switch.acquire(A)
+    assert lease.cache == MISS       # the slot was erased for A
+    monkeypatch.setattr(fake, "slot_entry", lambda slot=0: {
+        "id": slot, "n_ctx": 8192, "is_processing": False, "id_task": 7, "n_prompt_tokens": 0})
+    switch.release(lease)
+    actions = len(fake.actions)
+    assert switch.acquire(A).cache == HIT and len(fake.actions) == actions
+
+
 # -- the model fingerprint ---------------------------------------------------------
 def test_a_file_with_more_tokens_than_the_slot_is_never_restored(tmp_path, fake, caplog):
     """The sidecar's token count against the slot's n_ctx from /slots (llama-server would

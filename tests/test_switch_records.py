@@ -1,6 +1,7 @@
 """What the switch records about each swap (llama-server stubbed): sidecar fields that
 /api/sessions lists, /metrics counters, the log lines that say why, and forget()."""
 import logging
+import threading
 import time
 
 import pytest
@@ -222,6 +223,20 @@ def test_checkpoint_gives_up_while_the_slot_is_busy(tmp_path, fake):
     finally:
         switch.release(lease)
     assert ("save", f"{A.stem}.bin") not in fake.actions
+
+
+def test_checkpoint_waits_for_a_request_that_ends_within_its_bound(tmp_path, fake):
+    switch = make_switch(tmp_path)
+    answer(switch, A, fake, 80)
+    lease = switch.acquire(A)
+    ends = threading.Timer(0.3, switch.release, [lease, {"cache_n": 79, "prompt_n": 0,
+                                                         "predicted_n": 1}])
+    ends.start()
+    try:
+        assert switch.checkpoint(timeout=60) is True
+    finally:
+        ends.join(10)
+    assert SessionStore(tmp_path).read_sidecar(A.stem)["n_tokens"] == 80
 
 
 def test_checkpoint_without_llama_server_says_so(tmp_path, fake, caplog):
