@@ -65,19 +65,20 @@ def test_listing_delete_and_clear(app_and_fake, tmp_path):
 
 
 @pytest.mark.parametrize("hostile,shown", [
-    ("a\r\nX-Evil: 1", "a%0D%0AX-Evil%3A%201"), ("日本/語", "%E6%97%A5%E6%9C%AC%2F%E8%AA%9E"),
+    ("a\r\nX-Evil: 1", r"a\u000d\u000aX-Evil: 1"), ("日本/語", "%E6%97%A5%E6%9C%AC%2F%E8%AA%9E"),
     ("../../x", "../../x"), ("chat 1", "chat 1"),
-    ("100%", "100%25"),  # a plain id with % would read as an encoded one
+    ("100%", "100%25"), ("50%41", "50%2541"),  # a plain id with % would read as an encoded one
 ])
 def test_hostile_body_ids_cannot_break_reply_headers(app_and_fake, hostile, shown):
+    """Printable ASCII shown as is; anything else percent-encoded whole, so the header
+    always decodes back to the id."""
     app, _ = app_and_fake
     reply = app.test_client().post("/v1/chat/completions", json={
         "session_id": hostile, "messages": [{"role": "user", "content": "hi"}]})
     assert reply.status_code == 200 and "X-Evil" not in reply.headers
     from urllib.parse import unquote
-    shown = reply.headers["X-KVProxy-Session"]
+    assert reply.headers["X-KVProxy-Session"] == shown
     assert unquote(shown) == normalise_id(hostile)
-    assert "\n" not in shown and shown.isascii()
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import responses
 
 from kvproxy import create_app, identity
 from kvproxy.store import SessionStore
+from kvproxy.switch import header_safe
 from tests.fake_llama import UPSTREAM, FakeLlama
 
 HOSTILE = {
@@ -147,6 +148,17 @@ def test_an_id_in_surrogate_bytes_is_answered(app_and_fake):
         assert reply.status_code in (200, 400), (path, reply.get_data(as_text=True))
         assert reply.headers.get("X-KVProxy-Session", r"\ud800") == r"\ud800"
     assert_slot_free(app, client)
+
+
+@pytest.mark.parametrize("text,decoded", [("\ud800", r"\ud800"), ("a\udfffb", r"a\udfffb"),
+                                          ("日本\ud800", r"日本\ud800")])
+def test_a_lone_surrogate_reaches_a_reply_header_as_its_escape(text, decoded):
+    """Ids are normalised before they reach a header, but the header is written after the
+    slot was taken: it must never raise, whatever text it is given."""
+    from urllib.parse import unquote
+    shown = header_safe(text)
+    assert shown.isascii() and shown.isprintable()
+    assert unquote(shown) == decoded
 
 
 # -- normalisation ------------------------------------------------------------------
