@@ -46,6 +46,7 @@ class FakeLlama:
         self.save_fault: str | None = None  # "short": a short file behind a success; "fail": 500
         self.on_save = None                 # called with the file name before a save writes
         self.saving_off = False             # as llama-server without --slot-save-path
+        self.slots_off = False              # as llama-server with --no-slots (no GET /slots)
         self.chat_timings = {"cache_n": 0, "prompt_n": 10, "predicted_n": 2}
         # When set, saves write llama-server's real layout with these token ids at the head.
         self.slot_token_ids: list[int] | None = None
@@ -56,9 +57,7 @@ class FakeLlama:
         mock.add_callback(responses.GET, f"{UPSTREAM}/props", callback=lambda r: self._json(self.props))
         mock.add_callback(responses.GET, f"{UPSTREAM}/v1/models",
                           callback=lambda r: self._json(self.models))
-        mock.add_callback(responses.GET, f"{UPSTREAM}/slots",
-                          callback=lambda r: self._json([self.slot_entry(i)
-                                                         for i in range(len(self.held))]))
+        mock.add_callback(responses.GET, f"{UPSTREAM}/slots", callback=self._slots)
         mock.add(responses.GET, f"{UPSTREAM}/health", json={"status": "ok"})
         mock.add_callback(responses.POST, f"{UPSTREAM}/v1/chat/completions", callback=self._chat)
         mock.add_callback(responses.POST, f"{UPSTREAM}/v1/completions", callback=self._text)
@@ -95,6 +94,13 @@ class FakeLlama:
             return {"id": slot, "n_ctx": self.n_ctx, "is_processing": False}
         return {"id": slot, "n_ctx": self.n_ctx, "is_processing": False, "id_task": 1,
                 "n_prompt_tokens": self.held[slot]}
+
+    def _slots(self, request):
+        if self.slots_off:
+            return self._json({"error": {"code": 501, "type": "not_supported_error",
+                                         "message": "This server does not support slots "
+                                                    "endpoint. Start it with `--slots`"}}, 501)
+        return self._json([self.slot_entry(i) for i in range(len(self.held))])
 
     @staticmethod
     def _json(body, status=200):

@@ -54,6 +54,35 @@ def test_the_slot_count_comes_from_llama_server_unless_set(mock, tmp_path):
     assert switch_over(tmp_path, slots=1, slot_id=2).slot_ids() == [2]
 
 
+def test_the_slot_count_is_read_from_props_without_the_slot_listing(mock, tmp_path):
+    """llama-server started with --no-slots still says in /props how many slots it has."""
+    fake_with(mock, tmp_path, 3).slots_off = True
+    assert switch_over(tmp_path).slot_ids() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("total", ["missing", 0, None])
+def test_without_a_slot_count_in_props_the_slots_listed_are_counted(mock, tmp_path, total):
+    """An older llama-server's /props has no total_slots; a count of no slots is no count."""
+    fake = fake_with(mock, tmp_path, 3)
+    if total == "missing":
+        del fake.props["total_slots"]
+    else:
+        fake.props["total_slots"] = total
+    assert switch_over(tmp_path).slot_ids() == [0, 1, 2]
+
+
+def test_until_llama_server_lists_a_slot_kvproxy_drives_its_one_configured_slot(mock, tmp_path):
+    fake = fake_with(mock, tmp_path, 2)
+    del fake.props["total_slots"]
+    mock.replace(responses.GET, f"{UPSTREAM}/slots", json=[])
+    switch = switch_over(tmp_path, slot_id=1)
+    assert switch.slot_ids() == [1]
+    mock.replace(responses.GET, f"{UPSTREAM}/slots", json={"slots": "not a list"})
+    assert switch.slot_ids() == [1]
+    mock.replace(responses.GET, f"{UPSTREAM}/slots", json=[fake.slot_entry(0), fake.slot_entry(1)])
+    assert switch.slot_ids() == [0, 1], "asked again once llama-server lists its slots"
+
+
 def test_two_sessions_hold_a_slot_each_and_run_at_the_same_time(mock, tmp_path):
     fake = fake_with(mock, tmp_path, 2)
     switch = switch_over(tmp_path)
