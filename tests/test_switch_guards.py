@@ -140,6 +140,19 @@ def test_a_file_with_more_tokens_than_the_slot_is_never_restored(tmp_path, fake,
     assert "5000 tokens, more than the 4096-token context of slot 0" in caplog.text
 
 
+def test_the_slot_size_is_asked_for_a_restore_into_a_slot_the_swap_did_not_look_at(tmp_path, fake):
+    """A slot marked unproven is not asked about before the swap (nothing in it is trusted),
+    so a new process has not seen its size yet when the restore is judged."""
+    switch = make_switch(tmp_path)
+    answer(switch, B, fake, 5000)
+    answer(switch, DEFAULT, fake, 10)  # B saved
+    switch.mark_unknown(0)             # e.g. a swap that failed half-way
+    fake.n_ctx = 4096                  # /slots shows a smaller slot than /props reports
+    lease = answer(make_switch(tmp_path), B, fake, 20)
+    assert lease.cache == MISS and ("restore", f"{B.stem}.bin") not in fake.actions
+    assert "5000 tokens" in SessionStore(tmp_path).read_sidecar(B.stem)["refused"]
+
+
 def _change_model(fake, part: str) -> None:
     settings = fake.props["default_generation_settings"]
     meta = fake.models["data"][0]["meta"]
