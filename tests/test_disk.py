@@ -277,6 +277,20 @@ def test_eviction_happens_before_the_save(tmp_path, fake):
     assert sizes_at_save and max(sizes_at_save) <= 40
 
 
+def test_a_session_whose_slot_holds_nothing_costs_no_other_file(tmp_path, fake):
+    """Its request ended before the slot held a token: the save that swaps it out writes
+    nothing, so it makes no room either, even in a folder full to its bound."""
+    switch = make_switch(tmp_path, max_disk_bytes=32)
+    for name in ("s1", "s2"):
+        turn(switch, Session(name, "test"), fake)
+    switch.release(switch.acquire(A))            # s2 saved: two 16-byte files, the bound
+    assert fake.tokens == 0, "cut before any token: no timings, the slot empty"
+    turn(switch, B, fake)                        # A swapped out: its save writes nothing
+    assert ("save", f"{A.stem}.saving.bin") in fake.actions
+    assert {p.stem for p in tmp_path.glob("*.bin")} == {Session(n, "test").stem
+                                                        for n in ("s1", "s2")}
+
+
 def test_room_for_a_base_snapshot_is_made_before_it_is_saved(tmp_path, fake):
     """The base's size is estimated from its own tokens (the slot's record says nothing yet)."""
     switch = make_switch(tmp_path, base_snapshots=True, max_disk_bytes=64)
