@@ -30,6 +30,7 @@ def main() -> None:
     tests = shlex.split(os.environ.get("MUTATE_TESTS", ""))
     original = configuration._config_reader
     configuration._config_reader = lambda: narrowed(original(), tests)
+    configuration.reset_config()  # importing mutmut's command line has read setup.cfg already
     cli()
 
 
