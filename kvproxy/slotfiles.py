@@ -55,16 +55,15 @@ class SlotFiles:
                           tokens=int(state.get("slot_tokens") or 0))
 
     def _save(self, session_id: str, stem: str, made_by: dict, kind: str,
-              system_hash: str | None, slot: int, keep: set[str] = frozenset(),
-              tokens: int | None = None) -> dict | None:
-        """Save ``slot`` as ``<stem>.bin``: room made first, written under a temporary name,
-        checked, then renamed over the old file. A disk that cannot take it raises
-        StorageError with the old file untouched; llama-server out of reach gives None."""
+              system_hash: str | None, slot: int, tokens: int,
+              keep: set[str] = frozenset()) -> dict | None:
+        """Save ``slot``, holding about ``tokens``, as ``<stem>.bin``: room made first,
+        written under a temporary name, checked, then renamed over the old file. A disk that
+        cannot take it raises StorageError with the old file untouched; llama-server out of
+        reach gives None."""
         table = self.store.read_table()
         # Files of sessions other slots hold stay too: they may be saved over, not evicted.
         protected = {stem, *keep, *(e.get("active_stem") for e in table.values())}
-        if tokens is None:
-            tokens = int((table.get(slot) or {}).get("slot_tokens") or 0)
         estimate = self.budget.make_room(stem, tokens, made_by, protected)
         started = time.monotonic()
 
@@ -73,10 +72,10 @@ class SlotFiles:
                                                         (time.monotonic() - started) * 1000)
             metrics.observe_swap("save", time.monotonic() - started, size)
             return self.store.merged_sidecar(
-                stem, {"session_id": session_id, "kind": kind},
-                session_id=session_id, kind=kind, system_hash=system_hash, made_by=made_by,
-                n_tokens=answer.get("n_saved"), n_bytes=answer.get("n_written"), saved_bytes=size,
-                save_ms=round(save_ms, 2), saved_at=now_iso(), saved_from_slot=slot, refused=None)
+                stem, {}, session_id=session_id, kind=kind, system_hash=system_hash,
+                made_by=made_by, n_tokens=answer.get("n_saved"), n_bytes=answer.get("n_written"),
+                saved_bytes=size, save_ms=round(save_ms, 2), saved_at=now_iso(),
+                saved_from_slot=slot, refused=None)
         try:
             sidecar = disk.checked_save(self.client, slot, self.store, stem, describe)
         except UpstreamUnavailable as exc:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import responses
 
-from kvproxy import create_app, disk, store as store_module
+from kvproxy import create_app, disk, metrics, store as store_module
 from kvproxy.disk import Entry, plan_eviction
 from kvproxy.identity import Session, base_stem
 from kvproxy.llama import LlamaClient
@@ -20,6 +20,11 @@ A = Session("A", "test", system_hash="aaaa")
 B = Session("B", "test", system_hash="bbbb")
 OPENAI_BODY = {"messages": [{"role": "user", "content": "hi"}]}
 
+
+
+def misses(reason: str) -> float:
+    return metrics.REGISTRY.get_sample_value("kvproxy_restore_misses_total",
+                                             {"reason": reason}) or 0.0
 
 
 def turn(switch, session, fake, tokens=12, prompt=None):
@@ -117,7 +122,8 @@ def test_an_empty_slot_never_replaces_a_saved_file(tmp_path, fake):
     turn(switch, B, fake)
     good = (tmp_path / f"{A.stem}.bin").read_bytes()
     fake.tokens = 0
-    assert switch._save("A", A.stem, switch.current_made_by(), "session", None, slot=0) is None
+    assert switch._save("A", A.stem, switch.current_made_by(), "session", None, slot=0,
+                        tokens=12) is None
     assert (tmp_path / f"{A.stem}.bin").read_bytes() == good
 
 
@@ -179,6 +185,7 @@ def test_a_file_whose_size_does_not_match_is_moved_aside_not_restored(tmp_path, 
     turn(switch, B, fake)
     path = tmp_path / f"{A.stem}.bin"
     path.write_bytes(path.read_bytes()[:-5])  # a torn write
+    bad_files_before = misses("bad_file")
     with caplog.at_level(logging.WARNING, "kvproxy"):
         lease = turn(switch, A, fake)
     assert lease.cache == MISS
@@ -187,6 +194,7 @@ def test_a_file_whose_size_does_not_match_is_moved_aside_not_restored(tmp_path, 
     assert len(moved) == 1 and not path.exists()
     reason = json.loads(moved[0].with_suffix(".json").read_text())["quarantine_reason"]
     assert "sidecar says 16" in reason
+    assert misses("bad_file") == bad_files_before + 1
     assert any("not restoring" in r.message and "sidecar says 16" in r.message for r in caplog.records)
 
 
@@ -305,6 +313,32 @@ def test_room_for_a_base_snapshot_is_made_before_it_is_saved(tmp_path, fake):
     assert lease.cache == MISS and (tmp_path / f"{base_stem('cafe')}.bin").stat().st_size == 36
     (base_save,) = [size for name, size in sizes_at_save if name.startswith(base_stem("cafe"))]
     assert base_save <= 64, "the folder went over its bound while the base was written"
+
+
+def test_a_session_saved_over_its_own_file_needs_room_only_for_its_growth(tmp_path, fake):
+    switch = make_switch(tmp_path, max_disk_bytes=56)
+    C = Session("C", "test")
+    for session in (C, A, B, A):         # C's, A's and B's files: 48 of 56 bytes
+        turn(switch, session, fake)
+    turn(switch, Session("D", "test"), fake)   # A saved again over its own 16 bytes: still 48
+    assert sorted(p.name for p in tmp_path.glob("*.bin")) == sorted(
+        f"{s.stem}.bin" for s in (A, B, C))
+
+
+def test_room_is_estimated_from_files_of_the_running_model(tmp_path, fake):
+    """Files another model made (here six times as large per token) say nothing about the
+    size of this model's next save: no file is evicted for room that is not needed."""
+    switch = make_switch(tmp_path, max_disk_bytes=100)
+    turn(switch, A, fake)
+    turn(switch, B, fake)                                   # A saved: 16 bytes for 12 tokens
+    store = SessionStore(tmp_path)
+    (tmp_path / "other-model.bin").write_bytes(bytes(60))
+    store.update_sidecar("other-model", {"session_id": "old", "kind": "session"},
+                         made_by={"model": "another"}, n_tokens=10, saved_bytes=60,
+                         saved_at="2000-01-01T00:00:00+00:00")
+    turn(switch, A, fake)                                   # B saved: 12 tokens, about 16 bytes
+    assert sorted(p.name for p in tmp_path.glob("*.bin")) == sorted(
+        [f"{A.stem}.bin", f"{B.stem}.bin", "other-model.bin"])
 
 
 def test_orphans_count_toward_the_bound_and_go_first(tmp_path, fake):
