@@ -67,6 +67,15 @@ def contract_problem(client: LlamaClient, switch) -> str | None:
         return (f"KVPROXY_SLOT_ID={slot_id}, but llama-server has {total} slot(s) (ids 0 to "
                 f"{total - 1}) and would wrap the id onto another slot: set KVPROXY_SLOT_ID "
                 f"below {total}")
+    try:
+        client.slots()
+    except UpstreamError as exc:
+        if exc.status == 501:   # --no-slots: slot actions still work, the listing does not
+            return ("llama-server does not list its slots (started with --no-slots), and "
+                    "kvproxy needs GET /slots to know what each slot holds: start it without "
+                    "--no-slots")
+        if exc.status >= 500:
+            raise
     name = f"{PROBE_PREFIX}{secrets.token_hex(8)}.bin"
     try:
         client.slot_action(slot_id, "save", name)

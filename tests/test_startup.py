@@ -45,6 +45,13 @@ def test_slot_saving_off_stops_start_up(tmp_path, mock):
         check_at_start(make_app(tmp_path))
 
 
+def test_a_llama_server_that_does_not_list_its_slots_stops_start_up(tmp_path, mock):
+    """With --no-slots every slot would stay unproven: nothing saved, nothing ever a hit."""
+    FakeLlama(mock, tmp_path).slots_off = True
+    with pytest.raises(ContractError, match="started with --no-slots.*start it without"):
+        check_at_start(make_app(tmp_path))
+
+
 def test_a_slot_id_llama_server_does_not_have_stops_start_up(tmp_path, mock):
     fake = FakeLlama(mock, tmp_path)
     fake.props = {**fake.props, "total_slots": 2}
