@@ -171,3 +171,11 @@ def test_the_probe_is_harmless_and_slot_saving_off_is_named(llama, tmp_path):
         problem = contract_problem(LlamaClient(bare.url), SlotSwitch(LlamaClient(bare.url),
                                                                       SessionStore(tmp_path)))
     assert problem and "slot saving off" in problem and json.dumps(problem).count("\\n") == 0
+
+
+def test_a_llama_server_without_its_slot_listing_is_named(tmp_path):
+    """llama-server --no-slots still saves and restores, but answers GET /slots with 501."""
+    with LlamaServer(str(tmp_path / "slots"), extra_args=["--no-slots"]) as bare:
+        client = LlamaClient(bare.url)
+        problem = contract_problem(client, SlotSwitch(client, SessionStore(bare.slot_dir)))
+    assert problem and "--no-slots" in problem and "\n" not in problem
