@@ -17,7 +17,7 @@ from kvproxy.restore_check import judge, slot_file_tokens
 from kvproxy.store import SessionStore
 from kvproxy.plan import (EMPTY, FOREIGN, OURS, UNKNOWN, SwapPlan, judge_slot, plan_swap,
                           too_big)
-from kvproxy.switch import RESTORED, ClientGone, SlotBusy, SlotSwitch, fingerprint_key
+from kvproxy.switch import HIT, RESTORED, ClientGone, SlotBusy, SlotSwitch, fingerprint_key
 from tests.fake_llama import UPSTREAM, FakeLlama, fake, make_switch  # noqa: F401 - fake is a fixture
 from tests.test_switch import FakePrompt, turn
 
@@ -194,6 +194,35 @@ def test_foreign_content_is_not_saved_over_the_file_and_the_session_is_restored(
     turn(switch, B, fake)
     assert fake.actions[since:] == [("restore", f"{B.stem}.bin")], \
         "foreign content is never saved over A's file"
+
+
+def slot_listings(fake) -> int:
+    return sum(1 for call in fake.mock.calls
+               if call.request.method == "GET" and call.request.url.endswith("/slots"))
+
+
+def test_a_hit_over_a_connection_open_since_the_last_slot_call_asks_nothing(tmp_path, fake,
+                                                                            monkeypatch):
+    """An open connection proves llama-server did not restart: the no-swap path skips /slots."""
+    switch = make_switch(tmp_path)
+    turn(switch, A, fake)
+    monkeypatch.setattr(switch.client, "still_open", lambda witness: True)
+    asked = slot_listings(fake)
+    assert turn(switch, A, fake).cache == HIT
+    assert slot_listings(fake) == asked
+
+
+def test_a_swap_never_trusts_the_connection(tmp_path, fake, monkeypatch):
+    """Only the session the slot holds may skip /slots: before saving the slot over its file,
+    the swap to another session always looks, and foreign content is never saved."""
+    switch = make_switch(tmp_path)
+    turn(switch, A, fake)
+    monkeypatch.setattr(switch.client, "still_open", lambda witness: True)
+    fake.tokens = 37                            # someone used llama-server directly
+    since = len(fake.actions)
+    turn(switch, B, fake)
+    assert ("save", f"{A.stem}.bin") not in fake.actions[since:]
+    assert not any(name and name.startswith(A.stem) for _, name in fake.actions[since:])
 
 
 def test_slots_error_means_no_save_and_a_restore(tmp_path, fake):

@@ -56,3 +56,12 @@ def test_two_side_requests_run_at_once_in_two_slots(tmp_path, fake):
     assert {first.slot, second.slot} == {0, 1}
     switch.release(second)
     switch.release(first)
+
+
+def test_a_slot_s_last_use_in_this_process_never_goes_back(tmp_path):
+    """Two requests' bookkeeping can finish out of order: the later use wins either way."""
+    pool = SlotPool(SessionStore(tmp_path), timeout=1, max_waiters=4)
+    pool.note_use(1, "2026-01-01T10:00:02+00:00")
+    pool.note_use(1, "2026-01-01T10:00:01+00:00")
+    pool.note_use(0, "2026-01-01T09:00:00+00:00")
+    assert pool.used_here == {1: "2026-01-01T10:00:02+00:00", 0: "2026-01-01T09:00:00+00:00"}
