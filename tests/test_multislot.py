@@ -224,6 +224,28 @@ def test_a_session_another_process_put_elsewhere_is_followed_there(mock, tmp_pat
     second.release(lease)
 
 
+def test_a_request_placed_before_another_process_moved_its_session_follows_it(
+        mock, tmp_path, monkeypatch):
+    """acquire's side of the race above: the slot it was given back is free again, and the
+    request goes on to the slot that holds its session."""
+    fake = fake_with(mock, tmp_path, 2)
+    answer(switch_over(tmp_path), A, fake)          # another process: A in slot 0
+    second = switch_over(tmp_path)
+    take, stale = second.pool.take, [True]
+
+    def placed_before_the_table_changed(slot_ids, key, side, timeout=None):
+        if stale.pop() if stale else False:
+            second.pool.lock(1).acquire()
+            return 1, False
+        return take(slot_ids, key, side, timeout=timeout)
+    monkeypatch.setattr(second.pool, "take", placed_before_the_table_changed)
+    lease = second.acquire(A)
+    assert (lease.slot, lease.cache) == (0, HIT)
+    assert second.pool.lock(1).try_acquire(), "the slot it was first given is free again"
+    second.pool.give_back(1)
+    second.release(lease)
+
+
 def test_the_single_slot_state_file_is_migrated_without_losing_the_active_session(
         mock, tmp_path):
     fake = fake_with(mock, tmp_path, 2)
