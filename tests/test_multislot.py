@@ -443,3 +443,27 @@ def test_the_save_at_shutdown_waits_for_busy_slots_within_one_bound_for_all(mock
         for lease in leases:
             switch.release(lease)
     assert waited < 2.5, "the bound covers every slot together, not each slot"
+
+
+def test_swaps_are_counted_by_slot_and_kind(mock, tmp_path):
+    from kvproxy import metrics
+
+    def counts():
+        return {(slot, kind): metrics.REGISTRY.get_sample_value(
+                    "kvproxy_slot_swaps_total", {"slot": slot, "kind": kind}) or 0.0
+                for slot in ("0", "1") for kind in ("none", "save", "restored", "base", "miss")}
+    fake = fake_with(mock, tmp_path, 2)
+    switch = switch_over(tmp_path)
+    none_before = metrics.REGISTRY.get_sample_value("kvproxy_swaps_total", {"kind": "none"}) or 0
+    before = counts()
+    answer(switch, A, fake)                  # slot 0: miss
+    answer(switch, B, fake)                  # slot 1: miss
+    time.sleep(0.01)
+    answer(switch, A, fake)                  # slot 0: the slot holds it
+    answer(switch, C, fake)                  # slot 1, least recently used: B saved, C new
+    answer(switch, B, fake)                  # slot 0: A saved, B restored
+    grew = {key: value - before[key] for key, value in counts().items() if value != before[key]}
+    assert grew == {("0", "miss"): 1, ("0", "none"): 1, ("0", "save"): 1, ("0", "restored"): 1,
+                    ("1", "miss"): 2, ("1", "save"): 1}
+    assert (metrics.REGISTRY.get_sample_value("kvproxy_swaps_total", {"kind": "none"})
+            == none_before + 1)
