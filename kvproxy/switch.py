@@ -257,7 +257,7 @@ class SlotSwitch(SlotFiles):
         if plan.hit:
             metrics.SWAPS.labels("none").inc()
             metrics.SLOT_SWAPS.labels(str(slot), "none").inc()
-            return Lease(session, HIT, prompt=prompt, slot=slot)
+            return Lease(session, HIT, slot=slot)  # a hit needs no restore check: no prompt
         started = time.monotonic()
         made_by = self.current_made_by()
         if plan.save_active:
