@@ -467,3 +467,29 @@ def test_swaps_are_counted_by_slot_and_kind(mock, tmp_path):
                     ("1", "miss"): 2, ("1", "save"): 1}
     assert (metrics.REGISTRY.get_sample_value("kvproxy_swaps_total", {"kind": "none"})
             == none_before + 1)
+
+
+def test_a_session_being_swapped_in_by_one_process_is_not_claimed_by_another(mock, tmp_path):
+    fake_with(mock, tmp_path, 2)
+    first, second = switch_over(tmp_path), switch_over(tmp_path)
+    first._claim(0, A)                       # first is restoring A into slot 0 right now
+    from kvproxy.switch import HeldElsewhere
+    with pytest.raises(HeldElsewhere):
+        second._swap_to(A, None, 1)
+    assert SessionStore(tmp_path).read_table()[0]["active_key"] == A.key
+
+
+def test_the_file_a_slot_is_being_filled_from_is_not_evicted_by_another_process(mock,
+                                                                               tmp_path):
+    fake = fake_with(mock, tmp_path, 2)
+    first, second = switch_over(tmp_path, max_disk_bytes=40), switch_over(tmp_path,
+                                                                          max_disk_bytes=40)
+    answer(first, A, fake, tokens=12)        # slot 0
+    answer(first, B, fake, tokens=12)        # slot 1
+    answer(first, C, fake, tokens=12)        # slot 0: A saved (16 bytes)
+    answer(first, Session("D", "test"), fake, tokens=12)        # slot 1: B saved (32)
+    SessionStore(tmp_path).update_sidecar(A.stem, {}, last_used_at="2000-01-01T00:00:00+00:00")
+    first._claim(0, A)                       # first is about to restore A into slot 0
+    answer(second, Session("E", "test"), fake, tokens=12)   # slot 1: saving D needs room
+    assert (tmp_path / f"{A.stem}.bin").exists(), "the file being restored"
+    assert not (tmp_path / f"{B.stem}.bin").exists()

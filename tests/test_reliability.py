@@ -233,8 +233,10 @@ def test_a_hit_over_a_connection_open_since_the_last_slot_call_asks_nothing(tmp_
                                                                             monkeypatch):
     """An open connection proves llama-server did not restart: the no-swap path skips /slots."""
     switch = make_switch(tmp_path)
+    monkeypatch.setattr(switch.client, "witness", lambda: "the connection of the last slot call")
+    monkeypatch.setattr(switch.client, "still_open",
+                        lambda witness: witness == "the connection of the last slot call")
     turn(switch, A, fake)
-    monkeypatch.setattr(switch.client, "still_open", lambda witness: True)
     asked = slot_listings(fake)
     assert turn(switch, A, fake).cache == HIT
     assert slot_listings(fake) == asked
@@ -251,6 +253,27 @@ def test_a_swap_never_trusts_the_connection(tmp_path, fake, monkeypatch):
     turn(switch, B, fake)
     assert ("save", f"{A.stem}.bin") not in fake.actions[since:]
     assert not any(name and name.startswith(A.stem) for _, name in fake.actions[since:])
+
+
+def test_a_slot_recorded_empty_is_not_vouched_for_by_the_connection(tmp_path, fake,
+                                                                     monkeypatch):
+    """No token count recorded (an answer without timings) proves nothing about the slot:
+    /slots is asked, and content someone else left there is not taken for the session."""
+    switch = make_switch(tmp_path)
+    monkeypatch.setattr(switch.client, "still_open", lambda witness: True)
+    switch.release(switch.acquire(A))           # no timings: the slot's count stays 0
+    fake.tokens = 25                            # someone used llama-server directly
+    assert turn(switch, A, fake).cache != HIT
+
+
+def test_the_save_at_shutdown_never_trusts_the_connection(tmp_path, fake, monkeypatch):
+    switch = make_switch(tmp_path)
+    turn(switch, A, fake)
+    monkeypatch.setattr(switch.client, "still_open", lambda witness: True)
+    fake.tokens = 37                            # someone used llama-server directly
+    assert switch.checkpoint() is False
+    assert ("save", f"{A.stem}.bin") not in fake.actions
+    assert not any(name and name.startswith(A.stem) for _, name in fake.actions)
 
 
 def test_slots_error_means_no_save_and_a_restore(tmp_path, fake):
