@@ -3,6 +3,7 @@ touched, processes sharing the folder, and the single-slot state file migrated."
 import json
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import responses
@@ -10,8 +11,8 @@ import responses
 from kvproxy import create_app
 from kvproxy.identity import Session
 from kvproxy.llama import LlamaClient
-from kvproxy.store import STATE_FILE, STATE_FORMAT, SessionStore
-from kvproxy.switch import HIT, MISS, RESTORED, SlotBusy, SlotSwitch
+from kvproxy.store import STATE_FILE, STATE_FORMAT, SessionStore, now_iso
+from kvproxy.switch import HIT, MISS, RESTORED, ClientGone, SlotBusy, SlotSwitch
 from tests.fake_llama import UPSTREAM, FakeLlama
 
 A = Session("A", "test")
@@ -246,6 +247,58 @@ def test_a_request_placed_before_another_process_moved_its_session_follows_it(
     second.release(lease)
 
 
+def test_a_request_that_followed_its_session_waits_only_what_is_left_of_its_bound(
+        mock, tmp_path, monkeypatch):
+    """Its first placement used up the whole bound; the slot that holds its session is busy
+    in another process: 503 at once, not a new wait (even one that would end in the slot)."""
+    import kvproxy.switch as switch_module
+    fake = fake_with(mock, tmp_path, 2)
+    other = switch_over(tmp_path)
+    answer(other, A, fake)                          # another process: A in slot 0 ...
+    held = other.acquire(A)                         # ... and busy there
+    second = switch_over(tmp_path, lock_timeout=30)
+    later = [0.0]
+    monkeypatch.setattr(switch_module, "time",
+                        SimpleNamespace(monotonic=lambda: time.monotonic() + later[0]))
+    take, stale = second.pool.take, [True]
+    frees = threading.Timer(0.5, other.release, [held])
+
+    def placed_after_the_whole_wait(slot_ids, key, side, timeout=None):
+        if stale.pop() if stale else False:
+            second.pool.lock(1).acquire()
+            later[0] += 30                          # the wait for slot 1 took the whole bound
+            frees.start()                           # slot 0 frees a moment later
+            return 1, True
+        return take(slot_ids, key, side, timeout=timeout)
+    monkeypatch.setattr(second.pool, "take", placed_after_the_whole_wait)
+    try:
+        with pytest.raises(SlotBusy):
+            second.acquire(A)
+    finally:
+        frees.join(10)
+
+
+def test_a_client_that_left_while_its_request_followed_its_session_costs_no_swap(
+        mock, tmp_path, monkeypatch):
+    """Going to the slot that holds the session after a first placement counts as waiting:
+    the client is asked whether it is still there, and nothing is swapped when it left."""
+    fake = fake_with(mock, tmp_path, 2)
+    answer(switch_over(tmp_path), A, fake)          # another process: A in slot 0
+    second = switch_over(tmp_path)
+    take, stale = second.pool.take, [True]
+
+    def placed_before_the_table_changed(slot_ids, key, side, timeout=None):
+        if stale.pop() if stale else False:
+            second.pool.lock(1).acquire()
+            return 1, False
+        return take(slot_ids, key, side, timeout=timeout)
+    monkeypatch.setattr(second.pool, "take", placed_before_the_table_changed)
+    with pytest.raises(ClientGone):
+        second.acquire(A, still_wanted=lambda: False)
+    assert second.pool.lock(0).try_acquire(), "the slot is free again"
+    second.pool.give_back(0)
+
+
 def test_the_single_slot_state_file_is_migrated_without_losing_the_active_session(
         mock, tmp_path):
     fake = fake_with(mock, tmp_path, 2)
@@ -477,6 +530,20 @@ def test_a_session_being_swapped_in_by_one_process_is_not_claimed_by_another(moc
     with pytest.raises(HeldElsewhere):
         second._swap_to(A, None, 1)
     assert SessionStore(tmp_path).read_table()[0]["active_key"] == A.key
+
+
+def test_a_slot_being_filled_is_listed_with_its_session_unproven(mock, tmp_path):
+    """While a swap fills a slot (and after one that failed half-way), another process lists
+    the session it is being filled with: persistent, no tokens vouched for, unproven, and
+    since and last used when the swap began."""
+    fake_with(mock, tmp_path, 2)
+    first, second = switch_over(tmp_path), switch_over(tmp_path)
+    before = now_iso()
+    first._claim(1, A)                       # first is restoring A into slot 1 right now
+    row = second.slot_listing()[1]
+    assert (row["session_id"], row["persistent"], row["file"]) == ("A", True, f"{A.stem}.bin")
+    assert row["tokens"] == 0 and row["unproven"]
+    assert row["since"] >= before and row["last_used_at"] >= before
 
 
 def test_the_file_a_slot_is_being_filled_from_is_not_evicted_by_another_process(mock,

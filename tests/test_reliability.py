@@ -317,6 +317,30 @@ def test_a_failed_swap_makes_the_slot_untrusted(tmp_path, fake, monkeypatch):
     assert other_process.slot_view(SessionStore(tmp_path).read_state(), 0) != UNKNOWN
 
 
+def test_an_unexpected_failure_in_a_swap_is_a_503_that_names_it_and_frees_the_slot(
+        tmp_path, fake, monkeypatch):
+    """A bug on the way (not llama-server's answer, not the disk) reaches the client as a
+    retryable 503 pointing at kvproxy's log; an interrupt is not dressed up as one."""
+    app = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM, "lock_timeout": 1})
+    switch = app.extensions["kvproxy.switch"]
+
+    def a_bug(*args, **kwargs):
+        raise KeyError("a bug")
+    monkeypatch.setattr(switch, "current_made_by", a_bug)
+    reply = app.test_client().post("/v1/chat/completions", json=CHAT)
+    assert reply.status_code == 503 and int(reply.headers["Retry-After"]) >= 1
+    assert reply.json["error"]["message"] == \
+        "the slot could not be prepared (KeyError); see kvproxy's log"
+    assert not switch._thread_lock.locked()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt()
+    monkeypatch.setattr(switch, "current_made_by", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        switch.acquire(A)
+    assert not switch._thread_lock.locked()
+
+
 # -- the restore check ------------------------------------------------------------------
 def test_judge_counts_only_prompts_that_start_with_the_restored_tokens():
     assert judge(500, 480, None) == "honoured"
