@@ -560,3 +560,94 @@ def test_the_file_a_slot_is_being_filled_from_is_not_evicted_by_another_process(
     answer(second, Session("E", "test"), fake, tokens=12)   # slot 1: saving D needs room
     assert (tmp_path / f"{A.stem}.bin").exists(), "the file being restored"
     assert not (tmp_path / f"{B.stem}.bin").exists()
+
+
+def test_with_one_llama_server_slot_kvproxy_keeps_driving_its_configured_slot(mock, tmp_path):
+    """Asked or not, a single slot is KVPROXY_SLOT_ID: the slot it drove before llama-server
+    answered stays the one it drives after."""
+    fake_with(mock, tmp_path, 1)
+    assert switch_over(tmp_path, slot_id=2).slot_ids() == [2]
+
+
+def test_another_process_evicts_the_slot_used_least_recently_by_any_process(mock, tmp_path):
+    fake = fake_with(mock, tmp_path, 2)
+    first = switch_over(tmp_path)
+    slot_a = answer(first, A, fake).slot
+    time.sleep(0.01)
+    slot_b = answer(first, B, fake).slot
+    time.sleep(0.01)
+    assert answer(first, A, fake, tokens=30).cache == HIT   # B is now the least recently used
+    second = switch_over(tmp_path)
+    lease = second.acquire(C)
+    assert lease.slot == slot_b and lease.slot != slot_a
+    second.release(lease)
+
+
+def test_with_one_slot_a_request_that_changes_nothing_leaves_the_state_file_alone(mock, tmp_path):
+    """used_at orders slots for eviction only with several slots: one slot never writes it
+    alone, not even in a process that has not written it yet."""
+    fake = fake_with(mock, tmp_path, 1)
+    answer(switch_over(tmp_path), A, fake)
+    before = (tmp_path / STATE_FILE).read_text()
+    other = switch_over(tmp_path)                # a process that has written nothing yet
+    assert answer(other, A, fake).cache == HIT
+    assert (tmp_path / STATE_FILE).read_text() == before
+
+
+def test_a_slot_just_swapped_lists_when_it_was_last_used(mock, tmp_path):
+    fake_with(mock, tmp_path, 2)
+    switch = switch_over(tmp_path)
+    lease = switch.acquire(A)
+    row = [r for r in switch.slot_listing() if r["id"] == lease.slot][0]
+    assert row["session_id"] == "A" and row["last_used_at"]
+    switch.release(lease)
+
+
+def test_a_state_file_lost_during_a_request_gets_the_slot_s_entry_back(mock, tmp_path):
+    fake = fake_with(mock, tmp_path, 1)
+    switch = switch_over(tmp_path)
+    lease = switch.acquire(A)
+    (tmp_path / STATE_FILE).unlink()
+    fake.held[lease.slot] = 20
+    switch.release(lease, {"cache_n": 0, "prompt_n": 19, "predicted_n": 1})
+    assert SessionStore(tmp_path).read_state(lease.slot)["slot_tokens"] == 20
+
+
+def test_the_swap_time_is_reported_in_milliseconds(mock, tmp_path):
+    fake = fake_with(mock, tmp_path, 1)
+    switch = switch_over(tmp_path)
+    answer(switch, A, fake)
+    fake.on_save = lambda name: time.sleep(0.05)
+    started = time.monotonic()
+    lease = switch.acquire(B)                    # saves A first: at least 50 ms
+    elapsed_ms = (time.monotonic() - started) * 1000
+    switch.release(lease)
+    assert 50 <= lease.swap_ms <= elapsed_ms
+
+
+def test_an_answered_request_stamps_its_session_s_last_use(mock, tmp_path):
+    """The sidecar's last use orders files for eviction from the disk: a hit counts too."""
+    fake = fake_with(mock, tmp_path, 1)
+    switch = switch_over(tmp_path)
+    store = SessionStore(tmp_path)
+    answer(switch, A, fake)
+    first = store.read_sidecar(A.stem)["last_used_at"]
+    time.sleep(0.01)
+    assert answer(switch, A, fake).cache == HIT
+    assert store.read_sidecar(A.stem)["last_used_at"] > first
+
+
+def test_a_fresh_chat_that_made_a_base_snapshot_is_not_judged_as_a_restore(mock, tmp_path):
+    """Only a restore is checked against the tokens llama-server reused afterwards: a fresh
+    chat whose prefill llama-server reused neither clears nor adds to the misses in a row."""
+    from kvproxy.switch import fingerprint_key
+    from tests.fake_llama import FakePrompt
+    fake_with(mock, tmp_path, 1)
+    switch = switch_over(tmp_path, base_snapshots=True)
+    key = fingerprint_key(switch.current_made_by())
+    switch.restore_check.record(key, False)      # one unhonoured restore before
+    lease = switch.acquire(Session("B", "test", system_hash="bbbb"),
+                           prompt=FakePrompt(range(110), list(range(100))))
+    assert lease.cache == MISS and lease.restored_tokens == 100
+    switch.release(lease, {"cache_n": 100, "prompt_n": 10, "predicted_n": 1})
+    assert switch.restore_check.entries()[key]["misses"] == 1

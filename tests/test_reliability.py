@@ -431,3 +431,14 @@ def test_delete_active_session_while_llama_server_is_down(tmp_path, fake):
     assert SessionStore(tmp_path).read_state()["active"] == "default"
     assert switch.slot_view(SessionStore(tmp_path).read_state(), 0) == UNKNOWN
     assert switch.slot_listing()[0]["unproven"], "listed as unproven, for every process"
+
+
+def test_a_slot_holding_a_single_token_is_vouched_for_by_the_connection(tmp_path, fake,
+                                                                        monkeypatch):
+    """Any recorded content (even one token) is what the open connection vouches for."""
+    switch = make_switch(tmp_path)
+    monkeypatch.setattr(switch.client, "still_open", lambda witness: True)
+    turn(switch, A, fake, {"cache_n": 0, "prompt_n": 1, "predicted_n": 0})
+    asked = slot_listings(fake)
+    assert turn(switch, A, fake, {"cache_n": 0, "prompt_n": 1, "predicted_n": 0}).cache == HIT
+    assert slot_listings(fake) == asked
