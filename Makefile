@@ -52,16 +52,22 @@ $(NPM_DIR)/.claude-code-$(CLAUDE_CODE_VERSION):
 run: setup
 	$(BIN)/python -m kvproxy.serve
 
+# A Debian package the tests need, installed when missing (CI runs as root); elsewhere the
+# command says how, and the tests that need it fail or skip with the same advice.
+define debian_package
+command -v $(1) >/dev/null || test -x /usr/sbin/$(1) || { \
+  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+    echo "== installing $(1) ($(2))"; \
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(1) >/dev/null; \
+  else \
+    echo "== $(1) is not installed and cannot be installed here: apt-get install $(1)"; \
+  fi; }
+endef
+
 # The status page test drives Debian's chromium headless (Playwright's own browsers are not used).
 .PHONY: browser
 browser:
-	@command -v chromium >/dev/null || { \
-	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    echo "== installing chromium (status page test)"; \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
-	  else \
-	    echo "== chromium is not installed and cannot be installed here: apt-get install chromium"; \
-	  fi; }
+	@$(call debian_package,chromium,status page test)
 
 test: setup nginx browser claude-cli
 	$(BIN)/python -m pytest -m "not deploy"
@@ -70,16 +76,10 @@ test: setup nginx browser claude-cli
 test-deploy: setup nginx
 	$(BIN)/python -m pytest -m deploy
 
-# Debian's nginx for the deployment tests (CI runs as root). The tests run their own
-# nginx on free ports; without nginx they are skipped and say why.
+# Debian's nginx for the deployment tests. The tests run their own nginx on free ports;
+# without nginx they are skipped and say why.
 nginx:
-	@command -v nginx >/dev/null || test -x /usr/sbin/nginx || { \
-	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    echo "== installing nginx (Debian package)"; \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx >/dev/null; \
-	  else \
-	    echo "== nginx is not installed and cannot be installed here: apt-get install nginx"; \
-	  fi; }
+	@$(call debian_package,nginx,deployment tests)
 
 # Unit tests only: llama-server stubbed, no model, seconds.
 test-unit: $(VENV)/.requirements

@@ -225,6 +225,20 @@ def test_a_session_another_process_put_elsewhere_is_followed_there(mock, tmp_pat
     second.release(lease)
 
 
+def place_first_in_slot_1(switch, monkeypatch, first_wait=lambda: False):
+    """The switch's first placement hands out slot 1, as if decided before another process
+    put the session in slot 0 (``first_wait``: whether that placement waited); later
+    placements are the pool's own."""
+    take, stale = switch.pool.take, [True]
+
+    def placed_before_the_table_changed(slot_ids, key, side, timeout=None):
+        if stale.pop() if stale else False:
+            switch.pool.lock(1).acquire()
+            return 1, first_wait()
+        return take(slot_ids, key, side, timeout=timeout)
+    monkeypatch.setattr(switch.pool, "take", placed_before_the_table_changed)
+
+
 def test_a_request_placed_before_another_process_moved_its_session_follows_it(
         mock, tmp_path, monkeypatch):
     """acquire's side of the race above: the slot it was given back is free again, and the
@@ -232,14 +246,7 @@ def test_a_request_placed_before_another_process_moved_its_session_follows_it(
     fake = fake_with(mock, tmp_path, 2)
     answer(switch_over(tmp_path), A, fake)          # another process: A in slot 0
     second = switch_over(tmp_path)
-    take, stale = second.pool.take, [True]
-
-    def placed_before_the_table_changed(slot_ids, key, side, timeout=None):
-        if stale.pop() if stale else False:
-            second.pool.lock(1).acquire()
-            return 1, False
-        return take(slot_ids, key, side, timeout=timeout)
-    monkeypatch.setattr(second.pool, "take", placed_before_the_table_changed)
+    place_first_in_slot_1(second, monkeypatch)
     lease = second.acquire(A)
     assert (lease.slot, lease.cache) == (0, HIT)
     assert second.pool.lock(1).try_acquire(), "the slot it was first given is free again"
@@ -260,17 +267,13 @@ def test_a_request_that_followed_its_session_waits_only_what_is_left_of_its_boun
     later = [0.0]
     monkeypatch.setattr(switch_module, "time",
                         SimpleNamespace(monotonic=lambda: time.monotonic() + later[0]))
-    take, stale = second.pool.take, [True]
     frees = threading.Timer(0.5, other.release, [held])
 
-    def placed_after_the_whole_wait(slot_ids, key, side, timeout=None):
-        if stale.pop() if stale else False:
-            second.pool.lock(1).acquire()
-            later[0] += 30                          # the wait for slot 1 took the whole bound
-            frees.start()                           # slot 0 frees a moment later
-            return 1, True
-        return take(slot_ids, key, side, timeout=timeout)
-    monkeypatch.setattr(second.pool, "take", placed_after_the_whole_wait)
+    def after_the_whole_wait():
+        later[0] += 30                              # the wait for slot 1 took the whole bound
+        frees.start()                               # slot 0 frees a moment later
+        return True
+    place_first_in_slot_1(second, monkeypatch, after_the_whole_wait)
     try:
         with pytest.raises(SlotBusy):
             second.acquire(A)
@@ -285,14 +288,7 @@ def test_a_client_that_left_while_its_request_followed_its_session_costs_no_swap
     fake = fake_with(mock, tmp_path, 2)
     answer(switch_over(tmp_path), A, fake)          # another process: A in slot 0
     second = switch_over(tmp_path)
-    take, stale = second.pool.take, [True]
-
-    def placed_before_the_table_changed(slot_ids, key, side, timeout=None):
-        if stale.pop() if stale else False:
-            second.pool.lock(1).acquire()
-            return 1, False
-        return take(slot_ids, key, side, timeout=timeout)
-    monkeypatch.setattr(second.pool, "take", placed_before_the_table_changed)
+    place_first_in_slot_1(second, monkeypatch)
     with pytest.raises(ClientGone):
         second.acquire(A, still_wanted=lambda: False)
     assert second.pool.lock(0).try_acquire(), "the slot is free again"
