@@ -205,8 +205,9 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     top = Parser(prog="python -m kvproxy",
                  description="Look at and steer a running kvproxy over its admin API.",
-                 epilog="exit codes: 0 ok, 1 not found, 2 usage or bad request, 3 cannot reach kvproxy, "
-                        "4 admin token refused, 5 kvproxy answered with an error",
+                 epilog="exit codes: 0 ok, 1 not found, 2 usage or bad request, "
+                        "3 cannot reach kvproxy, 4 admin token refused, "
+                        "5 kvproxy answered with an error",
                  formatter_class=argparse.RawDescriptionHelpFormatter)
     top.add_argument("--url", default=os.environ.get("KVPROXY_URL", DEFAULT_URL),
                      help="kvproxy's address (default: $KVPROXY_URL or %(default)s)")
