@@ -50,10 +50,15 @@ def source_of(module: str) -> Path:
 
 
 @cache
+def source_lines(module: str) -> tuple[str, ...]:
+    return tuple(source_of(module).read_text().splitlines())
+
+
+@cache
 def log_call_lines(module: str) -> frozenset[int]:
     """Line numbers inside logging calls (``log.info(...)``) of the module's source."""
     lines = set()
-    for node in ast.walk(ast.parse(source_of(module).read_text())):
+    for node in ast.walk(ast.parse("\n".join(source_lines(module)))):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
                 and node.func.attr in LOG_METHODS and isinstance(node.func.value, ast.Name) \
                 and node.func.value.id in ("log", "logger", "logging"):
@@ -71,10 +76,9 @@ def only_log_text(module: str, diff: str) -> bool:
     removed = [line[1:].strip() for line in changed_lines(diff) if line.startswith("-")]
     if not removed:
         return False
-    source = source_of(module).read_text().splitlines()
     inside = log_call_lines(module)
     for text in removed:
-        numbers = [n for n, line in enumerate(source, 1) if line.strip() == text]
+        numbers = [n for n, line in enumerate(source_lines(module), 1) if line.strip() == text]
         if not numbers or any(n not in inside for n in numbers):
             return False
     return True

@@ -8,23 +8,19 @@ from pathlib import Path
 import pytest
 import responses
 
-from kvproxy import create_app, disk, metrics, store as store_module
+from kvproxy import create_app, disk, store as store_module
 from kvproxy.disk import Entry, plan_eviction
 from kvproxy.identity import Session, base_stem
 from kvproxy.llama import LlamaClient
 from kvproxy.store import SIDECAR_FORMAT, SessionStore, StorageError
 from kvproxy.switch import BASE, MISS, RESTORED, SlotSwitch
 from tests.fake_llama import UPSTREAM, FakeLlama, FakePrompt, fake, make_switch  # noqa: F401 - fake is a fixture
+from tests.test_switch_records import metric
 
 A = Session("A", "test", system_hash="aaaa")
 B = Session("B", "test", system_hash="bbbb")
 OPENAI_BODY = {"messages": [{"role": "user", "content": "hi"}]}
 
-
-
-def misses(reason: str) -> float:
-    return metrics.REGISTRY.get_sample_value("kvproxy_restore_misses_total",
-                                             {"reason": reason}) or 0.0
 
 
 def turn(switch, session, fake, tokens=12, prompt=None):
@@ -185,7 +181,7 @@ def test_a_file_whose_size_does_not_match_is_moved_aside_not_restored(tmp_path, 
     turn(switch, B, fake)
     path = tmp_path / f"{A.stem}.bin"
     path.write_bytes(path.read_bytes()[:-5])  # a torn write
-    bad_files_before = misses("bad_file")
+    bad_files_before = metric("kvproxy_restore_misses_total", reason="bad_file")
     with caplog.at_level(logging.WARNING, "kvproxy"):
         lease = turn(switch, A, fake)
     assert lease.cache == MISS
@@ -194,7 +190,7 @@ def test_a_file_whose_size_does_not_match_is_moved_aside_not_restored(tmp_path, 
     assert len(moved) == 1 and not path.exists()
     reason = json.loads(moved[0].with_suffix(".json").read_text())["quarantine_reason"]
     assert "sidecar says 16" in reason
-    assert misses("bad_file") == bad_files_before + 1
+    assert metric("kvproxy_restore_misses_total", reason="bad_file") == bad_files_before + 1
     assert any("not restoring" in r.message and "sidecar says 16" in r.message for r in caplog.records)
 
 

@@ -14,6 +14,7 @@ from kvproxy.llama import LlamaClient
 from kvproxy.store import STATE_FILE, STATE_FORMAT, SessionStore, now_iso
 from kvproxy.switch import HIT, MISS, RESTORED, ClientGone, SlotBusy, SlotSwitch
 from tests.fake_llama import UPSTREAM, FakeLlama
+from tests.test_switch_records import metric
 
 A = Session("A", "test")
 B = Session("B", "test")
@@ -352,7 +353,6 @@ def test_clear_takes_one_slot_or_all(mock, tmp_path):
 def test_a_base_snapshot_is_made_and_restored_in_the_slot_the_session_runs_in(mock, tmp_path):
     """Slot 0 stays busy throughout: the base of slot 1's system prompt is prefilled, saved and
     later restored in slot 1, and recorded so."""
-    from kvproxy import metrics
     from kvproxy.identity import base_stem
     from kvproxy.switch import BASE
     from tests.fake_llama import FakePrompt
@@ -361,13 +361,12 @@ def test_a_base_snapshot_is_made_and_restored_in_the_slot_the_session_runs_in(mo
     store = SessionStore(tmp_path)
     busy = switch.acquire(A)
     prompt = FakePrompt(range(110), list(range(100)))
-    computed = metrics.REGISTRY.get_sample_value("kvproxy_prompt_tokens_total", {"kind": "computed"}) or 0
+    computed = metric("kvproxy_prompt_tokens_total", kind="computed")
     first = switch.acquire(Session("B", "test", system_hash="bbbb"), prompt=prompt)
     assert first.slot == 1 and fake.pinned == [1], "the prefill runs in the session's slot"
     base = store.read_sidecar(base_stem("bbbb"))
     assert (base["saved_from_slot"], base["n_tokens"], base["prefill_computed"]) == (1, 100, 100)
-    assert metrics.REGISTRY.get_sample_value(
-        "kvproxy_prompt_tokens_total", {"kind": "computed"}) == computed + 100
+    assert metric("kvproxy_prompt_tokens_total", kind="computed") == computed + 100
     switch.release(first, {"cache_n": 100, "prompt_n": 9, "predicted_n": 1})
     second = switch.acquire(Session("C", "test", system_hash="bbbb"), prompt=prompt)
     assert (second.slot, second.cache, second.restored_tokens) == (1, BASE, 100)
@@ -495,15 +494,12 @@ def test_the_save_at_shutdown_waits_for_busy_slots_within_one_bound_for_all(mock
 
 
 def test_swaps_are_counted_by_slot_and_kind(mock, tmp_path):
-    from kvproxy import metrics
-
     def counts():
-        return {(slot, kind): metrics.REGISTRY.get_sample_value(
-                    "kvproxy_slot_swaps_total", {"slot": slot, "kind": kind}) or 0.0
+        return {(slot, kind): metric("kvproxy_slot_swaps_total", slot=slot, kind=kind)
                 for slot in ("0", "1") for kind in ("none", "save", "restored", "base", "miss")}
     fake = fake_with(mock, tmp_path, 2)
     switch = switch_over(tmp_path)
-    none_before = metrics.REGISTRY.get_sample_value("kvproxy_swaps_total", {"kind": "none"}) or 0
+    none_before = metric("kvproxy_swaps_total", kind="none")
     before = counts()
     answer(switch, A, fake)                  # slot 0: miss
     answer(switch, B, fake)                  # slot 1: miss
@@ -514,8 +510,7 @@ def test_swaps_are_counted_by_slot_and_kind(mock, tmp_path):
     grew = {key: value - before[key] for key, value in counts().items() if value != before[key]}
     assert grew == {("0", "miss"): 1, ("0", "none"): 1, ("0", "save"): 1, ("0", "restored"): 1,
                     ("1", "miss"): 2, ("1", "save"): 1}
-    assert (metrics.REGISTRY.get_sample_value("kvproxy_swaps_total", {"kind": "none"})
-            == none_before + 1)
+    assert metric("kvproxy_swaps_total", kind="none") == none_before + 1
 
 
 def test_a_session_being_swapped_in_by_one_process_is_not_claimed_by_another(mock, tmp_path):

@@ -10,7 +10,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 import responses
 
-from kvproxy import create_app, metrics
+from kvproxy import create_app
 from kvproxy.identity import Session
 from kvproxy.llama import LlamaClient
 from kvproxy.restore_check import judge, slot_file_tokens
@@ -20,6 +20,7 @@ from kvproxy.plan import (EMPTY, FOREIGN, OURS, UNKNOWN, SwapPlan, judge_slot, p
 from kvproxy.switch import HIT, RESTORED, ClientGone, SlotBusy, SlotSwitch, fingerprint_key
 from tests.fake_llama import UPSTREAM, FakeLlama, fake, make_switch  # noqa: F401 - fake is a fixture
 from tests.test_switch import FakePrompt, turn
+from tests.test_switch_records import metric
 
 A = Session("A", "test")
 B = Session("B", "test")
@@ -124,12 +125,12 @@ def test_client_that_left_while_waiting_costs_no_swap(tmp_path, fake):
     wait_until(lambda: switch.pool.waiting == 1)
     client_end.close()                          # the client gives up
     actions_before = list(fake.actions)
-    gone_before = sample("kvproxy_slot_rejected_total", reason="client_gone")
+    gone_before = metric("kvproxy_slot_rejected_total", reason="client_gone")
     switch.release(held)
     thread.join(5)
     server_end.close()
     assert isinstance(outcome[0], ClientGone)
-    assert sample("kvproxy_slot_rejected_total", reason="client_gone") == gone_before + 1
+    assert metric("kvproxy_slot_rejected_total", reason="client_gone") == gone_before + 1
     assert fake.actions == actions_before, "no save, restore or erase for a client that left"
     assert SessionStore(tmp_path).read_state()["active"] == "A"
     assert not switch.lock.thread_lock.locked()
@@ -198,10 +199,6 @@ def test_foreign_content_is_not_saved_over_the_file_and_the_session_is_restored(
         "foreign content is never saved over A's file"
 
 
-def sample(name: str, **labels: str) -> float:
-    return metrics.REGISTRY.get_sample_value(name, labels) or 0.0
-
-
 def test_a_client_is_asked_whether_it_is_still_there_only_after_it_waited(tmp_path, fake):
     """The check reads the client's socket: a request that gets its slot at once just runs."""
     switch = make_switch(tmp_path)
@@ -215,11 +212,11 @@ def test_the_time_each_slot_is_held_is_counted_for_that_slot(tmp_path, fake):
     switch = make_switch(tmp_path, slots=2)
     fake.held.append(0)                         # llama-server with two slots
     fake.props["total_slots"] = 2
-    before = [sample("kvproxy_slot_busy_seconds_total", slot=s) for s in ("0", "1")]
+    before = [metric("kvproxy_slot_busy_seconds_total", slot=s) for s in ("0", "1")]
     lease = switch.acquire(A)
     time.sleep(0.3)
     switch.release(lease)
-    grew = [sample("kvproxy_slot_busy_seconds_total", slot=s) - b
+    grew = [metric("kvproxy_slot_busy_seconds_total", slot=s) - b
             for s, b in zip(("0", "1"), before)]
     assert 0.3 <= grew[lease.slot] < 10 and grew[1 - lease.slot] == 0, grew
 

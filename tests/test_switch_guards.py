@@ -8,12 +8,13 @@ import pytest
 import responses
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvproxy import create_app, metrics
+from kvproxy import create_app
 from kvproxy.identity import Session
 from kvproxy.llama import LlamaClient
 from kvproxy.store import SessionStore
 from kvproxy.switch import HIT, MISS, RESTORED, SlotBusy, SlotSwitch
 from tests.fake_llama import UPSTREAM, FakeLlama, FakePrompt, fake, make_switch  # noqa: F401 - fake is a fixture
+from tests.test_switch_records import metric
 
 A = Session("A", "test", system_hash="aaaa")
 B = Session("B", "test", system_hash="bbbb")
@@ -132,16 +133,14 @@ def test_a_file_with_more_tokens_than_the_slot_is_never_restored(tmp_path, fake,
     fake.tokens = 0
     switch = make_switch(tmp_path)
     assert answer(switch, A, fake, 3001).cache == RESTORED, "3000 tokens fit a 4096-token slot"
-    too_big = metrics.REGISTRY.get_sample_value("kvproxy_restore_misses_total",
-                                                {"reason": "too_big"}) or 0.0
+    too_big = metric("kvproxy_restore_misses_total", reason="too_big")
     with caplog.at_level(logging.WARNING, logger="kvproxy.switch"):
         lease = answer(switch, B, fake, 20)
     assert lease.cache == MISS and ("restore", f"{B.stem}.bin") not in fake.actions
     sidecar = SessionStore(tmp_path).read_sidecar(B.stem)
     assert "5000 tokens" in sidecar["refused"] and "4096" in sidecar["refused"]
     assert sidecar["refused_at"] >= sidecar["saved_at"], "when it was refused"
-    assert metrics.REGISTRY.get_sample_value("kvproxy_restore_misses_total",
-                                             {"reason": "too_big"}) == too_big + 1
+    assert metric("kvproxy_restore_misses_total", reason="too_big") == too_big + 1
     assert "5000 tokens, more than the 4096-token context of slot 0" in caplog.text
 
 
