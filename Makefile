@@ -50,7 +50,7 @@ $(NPM_DIR)/.claude-code-$(CLAUDE_CODE_VERSION):
 
 # LLAMA_SLOTS=N (default 1): llama-server -np N, each slot gets -c / N (LLAMA_CTX, default 8192).
 run: setup
-	$(BIN)/python -m kvproxy.serve
+	$(BIN)/python -m kvproxy.launch.serve
 
 # A Debian package the tests need, installed when missing (CI runs as root); elsewhere the
 # command says how, and the tests that need it fail or skip with the same advice.
@@ -86,13 +86,13 @@ test-unit: $(VENV)/.requirements
 	$(BIN)/python -m pytest -q -m "not real"
 
 # Mutation testing (mutmut, settings in setup.cfg) of the modules named in MODULES against the
-# fast stubbed suite: paths or module names (MODULES="kvproxy/store.py relay"); MODULES=all
+# fast stubbed suite: paths or module names (MODULES="kvproxy/storage/store.py relay"); MODULES=all
 # mutates every module (MUTATE is the older name of MODULES). Bounded: each mutant by mutmut's
 # CPU limit, the whole run by MUTATE_TIMEOUT seconds. Prints the kill rate and the survivors.
 # MUTATE_TESTS="tests/test_switch.py ..." runs only those test files against each mutant (the
 # switch is covered by most of the suite: a full run of it takes hours on two cores otherwise);
 # MUTATE_TIMEOUT_MULTIPLIER=2 stops a mutant that hangs a test sooner (mutmut's default: 15x).
-MUTATE ?= kvproxy/switch.py kvproxy/identity.py kvproxy/store.py kvproxy/relay.py
+MUTATE ?= kvproxy/slots/switch.py kvproxy/sessions/identity.py kvproxy/storage/store.py kvproxy/web/relay.py
 MODULES ?= $(MUTATE)
 MUTATE_TIMEOUT ?= 3600
 MUTATE_TESTS ?=

@@ -7,7 +7,7 @@ import sys
 
 from kvproxy import create_app
 from kvproxy.config import ConfigError
-from kvproxy.startup import check_at_start
+from kvproxy.ops.startup import check_at_start
 
 # gunicorn's "App failed to load" exit code: the master stops instead of booting workers forever.
 APP_LOAD_ERROR = 4

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvproxy.processes import bundled_model, llama_server_binary
+from kvproxy.launch.processes import bundled_model, llama_server_binary
 
 BINARY = "llama-batched-bench"
 

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import requests
 
-from kvproxy.processes import LlamaServer
-from kvproxy.serve import llama_layout
+from kvproxy.launch.processes import LlamaServer
+from kvproxy.launch.serve import llama_layout
 
 from . import batched, micro, slot_overhead
 from . import concurrency_stats as stats
@@ -85,7 +85,7 @@ def llama_options(direct: bool, slots: int, slot_ctx: int,
     kvproxy, llama-server is started the way kvproxy starts it: ``LlamaServer(slots=N)``
     where that exists, else the same flags by hand (the last ``-np`` on the command
     line wins), with the ``--cache-ram`` that ``make run`` picks for that many slots (off
-    with several, kvproxy.serve.llama_layout). ``proxy_cache_ram`` (MiB) replaces it.
+    with several, kvproxy.launch.serve.llama_layout). ``proxy_cache_ram`` (MiB) replaces it.
     """
     if accepts_slots is None:
         accepts_slots = "slots" in inspect.signature(LlamaServer).parameters

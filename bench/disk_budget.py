@@ -10,8 +10,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvproxy.disk import DiskBudget
-from kvproxy.store import SessionStore, now_iso
+from kvproxy.storage.disk import DiskBudget
+from kvproxy.storage.store import SessionStore, now_iso
 
 
 def main(sessions: int = 500, rounds: int = 50) -> None:

@@ -9,7 +9,7 @@ import os
 import time
 from pathlib import Path
 
-from kvproxy.processes import LlamaServer, ProxyServer
+from kvproxy.launch.processes import LlamaServer, ProxyServer
 
 ROOT = Path(__file__).resolve().parent.parent
 

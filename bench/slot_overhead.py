@@ -17,7 +17,7 @@ from pathlib import Path
 
 import requests
 
-from kvproxy.processes import LlamaServer
+from kvproxy.launch.processes import LlamaServer
 
 from .client import timed_json
 from .micro import percentile

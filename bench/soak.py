@@ -35,9 +35,9 @@ import requests
 
 from bench.procs import Proxy
 from bench.workload import long_text
-from kvproxy.identity import normalise_id
-from kvproxy.processes import LlamaServer
-from kvproxy.switch import header_safe
+from kvproxy.sessions.identity import normalise_id
+from kvproxy.launch.processes import LlamaServer
+from kvproxy.slots.switch import header_safe
 
 APIS = ("openai", "anthropic", "ollama")
 OLLAMA_MODEL = ["?"]  # the served name, read from /api/tags at start

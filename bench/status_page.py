@@ -19,7 +19,7 @@ import requests
 from werkzeug.serving import make_server
 
 from kvproxy import create_app
-from kvproxy.store import SIDECAR_FORMAT
+from kvproxy.storage.store import SIDECAR_FORMAT
 
 
 def fill(slot_dir: Path, n: int) -> None:

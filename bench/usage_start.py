@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from claude_code_turns import turns  # noqa: E402
-from kvproxy.dialects import anthropic_translate  # noqa: E402
-from kvproxy.processes import LlamaServer  # noqa: E402
+from kvproxy.translate import anthropic as anthropic_translate  # noqa: E402
+from kvproxy.launch.processes import LlamaServer  # noqa: E402
 
 RECORDED = ROOT / "tests" / "fixtures" / "recorded" / "claude-code" / "02-resumed-turn.json"
 

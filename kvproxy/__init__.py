@@ -7,13 +7,13 @@ from typing import Any, Mapping
 from flask import Flask
 from flask_smorest import Api
 
-from .config import Settings, check_slot_dir, load_settings
-from .dialects.common import FreeHeldSlots
-from .llama import LlamaClient
-from .relay import Relay
-from .startup import Contract
-from .store import SessionStore
-from .switch import SlotSwitch
+from kvproxy.config import Settings, check_slot_dir, load_settings
+from kvproxy.web.common import FreeHeldSlots
+from kvproxy.upstream.llama import LlamaClient
+from kvproxy.web.relay import Relay
+from kvproxy.ops.startup import Contract
+from kvproxy.storage.store import SessionStore
+from kvproxy.slots.switch import SlotSwitch
 
 __version__ = "0.1.0"
 
@@ -57,8 +57,9 @@ def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
     app.extensions["kvproxy.relay"] = Relay(settings, client, switch)
     app.wsgi_app = FreeHeldSlots(app.wsgi_app)
 
-    from . import admin, body_limit, metrics, ops
-    from .dialects import anthropic, errors, llamacpp, ollama, openai, passthrough
+    from kvproxy.ops import admin, metrics, health as ops
+    from kvproxy.web import body_limit
+    from kvproxy.web import anthropic, errors, llamacpp, ollama, openai, passthrough
     for blueprint in (ops.blueprint, openai.blueprint, ollama.blueprint, anthropic.blueprint,
                       llamacpp.blueprint, passthrough.blueprint):
         app.register_blueprint(blueprint)
@@ -68,6 +69,6 @@ def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
     body_limit.init_app(app)
     errors.init_app(app, api)
     metrics.init_app(app)
-    from . import status  # GET /status and /api/status
+    from kvproxy.ops import status  # GET /status and /api/status
     status.init_app(app, api)
     return app

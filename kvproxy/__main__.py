@@ -1,6 +1,6 @@
-"""``python -m kvproxy``: the operator's command line (see kvproxy/cli.py)."""
+"""``python -m kvproxy``: the operator's command line (see kvproxy/ops/cli.py)."""
 import sys
 
-from .cli import main
+from kvproxy.ops.cli import main
 
 sys.exit(main())

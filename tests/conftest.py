@@ -9,7 +9,7 @@ import requests
 from flask import Flask
 from flask.testing import FlaskClient
 
-from kvproxy.processes import LlamaServer, ProxyServer
+from kvproxy.launch.processes import LlamaServer, ProxyServer
 
 
 class ClosingClient(FlaskClient):

@@ -194,9 +194,9 @@ class FakeLlama:
 
 def make_switch(slot_dir, **kwargs):
     """A slot switch over ``slot_dir`` talking to the stub; base snapshots off unless asked."""
-    from kvproxy.llama import LlamaClient
-    from kvproxy.store import SessionStore
-    from kvproxy.switch import SlotSwitch
+    from kvproxy.upstream.llama import LlamaClient
+    from kvproxy.storage.store import SessionStore
+    from kvproxy.slots.switch import SlotSwitch
     kwargs.setdefault("base_snapshots", False)
     return SlotSwitch(LlamaClient(UPSTREAM), SessionStore(slot_dir), **kwargs)
 

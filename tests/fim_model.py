@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvproxy.processes import BUNDLED_MODEL, bundled_model
+from kvproxy.launch.processes import BUNDLED_MODEL, bundled_model
 
 FIM_TOKENS = {"fim_pre": 3, "fim_suf": 4, "fim_mid": 5}
 

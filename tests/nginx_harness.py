@@ -21,7 +21,7 @@ import pytest
 import requests
 from requests.adapters import HTTPAdapter
 
-from kvproxy.processes import REPO_ROOT, free_port, stop_process
+from kvproxy.launch.processes import REPO_ROOT, free_port, stop_process
 
 DEPLOY = REPO_ROOT / "deploy"
 SERVER_LINE = re.compile(r"^(\s*)server\s+([^\s{;]+)([^;]*);[^\n]*\n", re.M)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import requests
 
-from kvproxy.processes import free_port, start_process, stop_process
+from kvproxy.launch.processes import free_port, start_process, stop_process
 
 OPENWEBUI_VERSION = "0.12.4"
 # A system prompt long enough (about 450 tokens) that reusing it shows in prompt_eval_count.

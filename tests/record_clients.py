@@ -32,7 +32,7 @@ from codex_cli import codex_binary, run_codex, thread_id  # noqa: E402
 from openwebui_app import OPENWEBUI_VERSION, OpenWebUI, openwebui_command, request_name  # noqa: E402
 from recorder import Recorder, machine_strings, write_fixtures  # noqa: E402
 
-from kvproxy.processes import LlamaServer, ProxyServer  # noqa: E402
+from kvproxy.launch.processes import LlamaServer, ProxyServer  # noqa: E402
 
 FIXTURES = HERE / "fixtures" / "recorded"
 SYSTEM = "You are a concise assistant. Answer in one short sentence."

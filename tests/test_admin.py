@@ -5,8 +5,8 @@ import pytest
 import responses
 
 from kvproxy import create_app
-from kvproxy.identity import Session, client_key, file_stem, normalise_id
-from kvproxy.store import now_iso
+from kvproxy.sessions.identity import Session, client_key, file_stem, normalise_id
+from kvproxy.storage.store import now_iso
 from tests.fake_llama import UPSTREAM, FakeLlama
 
 

@@ -14,7 +14,7 @@ import pytest
 import responses
 
 from kvproxy import create_app
-from kvproxy.dialects import anthropic_translate as t
+from kvproxy.translate import anthropic as t
 from recorder import load_fixtures
 
 UPSTREAM = "http://llama.test"

@@ -12,8 +12,8 @@ import responses
 from anthropic.lib.streaming._messages import accumulate_event
 
 from kvproxy import create_app
-from kvproxy.dialects import anthropic_translate as t
-from kvproxy.switch import SlotBusy
+from kvproxy.translate import anthropic as t
+from kvproxy.slots.switch import SlotBusy
 
 UPSTREAM = "http://llama.test"
 WEATHER_TOOL = {"name": "get_weather", "description": "Weather for a city",

@@ -6,7 +6,8 @@ import pytest
 import responses
 from werkzeug.serving import make_server
 
-from kvproxy import cli, create_app
+from kvproxy.ops import cli
+from kvproxy import create_app
 from tests.fake_llama import UPSTREAM, FakeLlama
 
 

@@ -104,12 +104,12 @@ def test_start_up_prints_one_line_and_exits(env):
 
 
 def test_make_run_refuses_a_bad_setting_before_starting_anything(tmp_path):
-    """``make run`` (kvproxy.serve) checks settings first: one line, exit 2, no llama-server."""
+    """``make run`` (kvproxy.launch.serve) checks settings first: one line, exit 2, no llama-server."""
     import os
     import subprocess
     import sys
     root = Path(__file__).resolve().parent.parent
-    result = subprocess.run([sys.executable, "-m", "kvproxy.serve"], cwd=root, capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "kvproxy.launch.serve"], cwd=root, capture_output=True,
                             text=True, timeout=60,
                             env={**os.environ, "KVPROXY_SLOT_DIR": str(tmp_path / "slots"),
                                  "KVPROXY_LOG_DIR": str(tmp_path / "log"),
@@ -119,7 +119,7 @@ def test_make_run_refuses_a_bad_setting_before_starting_anything(tmp_path):
 
 
 def test_gunicorn_stops_on_a_bad_setting_instead_of_rebooting_its_worker(tmp_path):
-    from kvproxy.processes import ProxyServer
+    from kvproxy.launch.processes import ProxyServer
     proxy = ProxyServer("http://127.0.0.1:9", str(tmp_path / "slots"), log_path=str(tmp_path / "log"),
                         env={"KVPROXY_LOCK_TIMEOUT": "nan"})
     with pytest.raises(RuntimeError, match="exited with code 4"):

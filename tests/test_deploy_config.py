@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvproxy.config import SETTINGS, load_settings
-from kvproxy.processes import REPO_ROOT
+from kvproxy.launch.processes import REPO_ROOT
 from tests.nginx_harness import DEPLOY, Nginx, directive_values, seconds
 
 SITES = ["kvproxy.conf", "kvproxy-cluster.conf"]

@@ -10,7 +10,7 @@ import time
 import pytest
 import requests
 
-from kvproxy.processes import ProxyServer
+from kvproxy.launch.processes import ProxyServer
 from tests.nginx_harness import session_from
 
 

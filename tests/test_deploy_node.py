@@ -5,7 +5,7 @@ import pytest
 
 from kvproxy import create_app
 from kvproxy.config import ConfigError, load_settings
-from kvproxy.processes import free_port
+from kvproxy.launch.processes import free_port
 
 
 @pytest.fixture

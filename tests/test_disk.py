@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 import responses
 
-from kvproxy import create_app, disk, store as store_module
-from kvproxy.disk import Entry, plan_eviction
-from kvproxy.identity import Session, base_stem
-from kvproxy.llama import LlamaClient
-from kvproxy.store import SIDECAR_FORMAT, SessionStore, StorageError
-from kvproxy.switch import BASE, MISS, RESTORED, SlotSwitch
+from kvproxy import create_app
+from kvproxy.storage import disk, store as store_module
+from kvproxy.storage.disk import Entry, plan_eviction
+from kvproxy.sessions.identity import Session, base_stem
+from kvproxy.upstream.llama import LlamaClient
+from kvproxy.storage.store import SIDECAR_FORMAT, SessionStore, StorageError
+from kvproxy.slots.switch import BASE, MISS, RESTORED, SlotSwitch
 from tests.fake_llama import UPSTREAM, FakeLlama, FakePrompt, fake, make_switch  # noqa: F401 - fake is a fixture
 from tests.test_switch_records import metric
 
@@ -239,7 +240,7 @@ def test_sweep_removes_leftovers_and_moves_orphans_aside(tmp_path, fake):
 
 
 def test_start_up_sweeps_with_the_slot_locked_and_logs(tmp_path, fake, caplog):
-    from kvproxy.startup import check_at_start
+    from kvproxy.ops.startup import check_at_start
     (tmp_path / "stray.bin").write_bytes(b"x")
     app = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM})
     with caplog.at_level(logging.INFO, "kvproxy"):

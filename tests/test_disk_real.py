@@ -10,11 +10,11 @@ import openai
 import pytest
 import requests
 
-from kvproxy.llama import LlamaClient
-from kvproxy.processes import REPO_ROOT, LlamaServer, ProxyServer, free_port, stop_process
-from kvproxy.startup import contract_problem
-from kvproxy.store import SessionStore
-from kvproxy.switch import SlotSwitch
+from kvproxy.upstream.llama import LlamaClient
+from kvproxy.launch.processes import REPO_ROOT, LlamaServer, ProxyServer, free_port, stop_process
+from kvproxy.ops.startup import contract_problem
+from kvproxy.storage.store import SessionStore
+from kvproxy.slots.switch import SlotSwitch
 
 pytestmark = pytest.mark.real
 

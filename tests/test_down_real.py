@@ -2,7 +2,7 @@
 import pytest
 
 from kvproxy import create_app
-from kvproxy.processes import free_port
+from kvproxy.launch.processes import free_port
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from conftest import Stack
-from kvproxy.identity import client_key, file_stem, normalise_id
+from kvproxy.sessions.identity import client_key, file_stem, normalise_id
 
 pytestmark = pytest.mark.real
 

@@ -8,9 +8,10 @@ import re
 import pytest
 import responses
 
-from kvproxy import create_app, identity
-from kvproxy.store import SessionStore
-from kvproxy.switch import header_safe
+from kvproxy import create_app
+from kvproxy.sessions import identity
+from kvproxy.storage.store import SessionStore
+from kvproxy.slots.switch import header_safe
 from tests.fake_llama import UPSTREAM, FakeLlama
 
 HOSTILE = {

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from kvproxy import identity
+from kvproxy.sessions import identity
 from kvproxy.config import load_settings
 
 HEADERS = load_settings({}).session_headers

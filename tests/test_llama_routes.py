@@ -9,9 +9,9 @@ import pytest
 import responses
 
 from kvproxy import create_app
-from kvproxy.dialects.errors import renderer_for
-from kvproxy.dialects.openai import render_error as openai_error
-from kvproxy.dialects.passthrough import ROUTES, SIDE
+from kvproxy.web.errors import renderer_for
+from kvproxy.web.openai import render_error as openai_error
+from kvproxy.web.passthrough import ROUTES, SIDE
 from tests.fake_llama import UPSTREAM, FakeLlama
 
 RESPONSE = {"id": "resp_1", "object": "response", "status": "completed", "output": [],

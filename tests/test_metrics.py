@@ -10,7 +10,8 @@ import requests
 import responses
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvproxy import create_app, metrics
+from kvproxy import create_app
+from kvproxy.ops import metrics
 from tests.conftest import long_text
 
 UPSTREAM = "http://llama.test"

@@ -9,10 +9,10 @@ import pytest
 import responses
 
 from kvproxy import create_app
-from kvproxy.identity import Session
-from kvproxy.llama import LlamaClient
-from kvproxy.store import STATE_FILE, STATE_FORMAT, SessionStore, now_iso
-from kvproxy.switch import HIT, MISS, RESTORED, ClientGone, SlotBusy, SlotSwitch
+from kvproxy.sessions.identity import Session
+from kvproxy.upstream.llama import LlamaClient
+from kvproxy.storage.store import STATE_FILE, STATE_FORMAT, SessionStore, now_iso
+from kvproxy.slots.switch import HIT, MISS, RESTORED, ClientGone, SlotBusy, SlotSwitch
 from tests.fake_llama import UPSTREAM, FakeLlama
 from tests.test_switch_records import metric
 
@@ -218,7 +218,7 @@ def test_a_session_another_process_put_elsewhere_is_followed_there(mock, tmp_pat
     answer(first, A, fake)                 # slot 0
     second = switch_over(tmp_path)
     # The second process decided on slot 1 before it saw A's entry: the claim sends it on.
-    from kvproxy.switch import HeldElsewhere
+    from kvproxy.slots.switch import HeldElsewhere
     with pytest.raises(HeldElsewhere):
         second._swap_to(A, None, 1)
     lease = second.acquire(A)
@@ -259,7 +259,7 @@ def test_a_request_that_followed_its_session_waits_only_what_is_left_of_its_boun
         mock, tmp_path, monkeypatch):
     """Its first placement used up the whole bound; the slot that holds its session is busy
     in another process: 503 at once, not a new wait (even one that would end in the slot)."""
-    import kvproxy.switch as switch_module
+    import kvproxy.slots.switch as switch_module
     fake = fake_with(mock, tmp_path, 2)
     other = switch_over(tmp_path)
     answer(other, A, fake)                          # another process: A in slot 0 ...
@@ -305,7 +305,7 @@ def test_the_single_slot_state_file_is_migrated_without_losing_the_active_sessio
     (tmp_path / STATE_FILE).write_text(json.dumps(old))
     fake.held[0] = 40                      # what the old kvproxy left in its slot
     app = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM, "base_snapshots": False})
-    from kvproxy.startup import check_at_start
+    from kvproxy.ops.startup import check_at_start
     check_at_start(app)
     written = json.loads((tmp_path / STATE_FILE).read_text())
     assert written["format"] == STATE_FORMAT and written["slots"]["0"]["active"] == "A"
@@ -353,8 +353,8 @@ def test_clear_takes_one_slot_or_all(mock, tmp_path):
 def test_a_base_snapshot_is_made_and_restored_in_the_slot_the_session_runs_in(mock, tmp_path):
     """Slot 0 stays busy throughout: the base of slot 1's system prompt is prefilled, saved and
     later restored in slot 1, and recorded so."""
-    from kvproxy.identity import base_stem
-    from kvproxy.switch import BASE
+    from kvproxy.sessions.identity import base_stem
+    from kvproxy.slots.switch import BASE
     from tests.fake_llama import FakePrompt
     fake = fake_with(mock, tmp_path, 2)
     switch = switch_over(tmp_path, base_snapshots=True, lock_timeout=1)
@@ -389,13 +389,13 @@ def test_a_repeated_hit_writes_the_state_table_at_most_once_a_second(mock, tmp_p
     for _ in range(5):
         assert answer(switch, A, fake).cache == HIT
     assert len(writes) <= 1, "the no-swap path wrote the table on every request"
-    monkeypatch.setattr("kvproxy.switch.USED_AT_RESOLUTION_S", 0.0)
+    monkeypatch.setattr("kvproxy.slots.switch.USED_AT_RESOLUTION_S", 0.0)
     answer(switch, A, fake)
     assert len(writes) >= 1 and json.loads((tmp_path / STATE_FILE).read_text())["slots"]["0"]
 
 
 def test_this_process_s_own_use_orders_the_slots_before_the_table_shows_it():
-    from kvproxy.placement import facts_from_table
+    from kvproxy.slots.placement import facts_from_table
     table = {0: {"active": "A", "active_key": "a", "active_persistent": True,
                  "used_at": "2026-01-01T00:00:02.000+00:00"},
              1: {"active": "B", "active_key": "b", "active_persistent": True,
@@ -517,7 +517,7 @@ def test_a_session_being_swapped_in_by_one_process_is_not_claimed_by_another(moc
     fake_with(mock, tmp_path, 2)
     first, second = switch_over(tmp_path), switch_over(tmp_path)
     first._claim(0, A)                       # first is restoring A into slot 0 right now
-    from kvproxy.switch import HeldElsewhere
+    from kvproxy.slots.switch import HeldElsewhere
     with pytest.raises(HeldElsewhere):
         second._swap_to(A, None, 1)
     assert SessionStore(tmp_path).read_table()[0]["active_key"] == A.key
@@ -631,7 +631,7 @@ def test_an_answered_request_stamps_its_session_s_last_use(mock, tmp_path):
 def test_a_fresh_chat_that_made_a_base_snapshot_is_not_judged_as_a_restore(mock, tmp_path):
     """Only a restore is checked against the tokens llama-server reused afterwards: a fresh
     chat whose prefill llama-server reused neither clears nor adds to the misses in a row."""
-    from kvproxy.switch import fingerprint_key
+    from kvproxy.slots.switch import fingerprint_key
     from tests.fake_llama import FakePrompt
     fake_with(mock, tmp_path, 1)
     switch = switch_over(tmp_path, base_snapshots=True)

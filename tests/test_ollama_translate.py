@@ -16,11 +16,11 @@ import pytest
 import responses
 
 from kvproxy import create_app
-from kvproxy import gguf
-from kvproxy.dialects import ollama_model
-from kvproxy.dialects import ollama_translate as tr
-from kvproxy.llama import UpstreamError
-from kvproxy.switch import Lease, SlotBusy
+from kvproxy.upstream import gguf
+from kvproxy.translate import ollama_model
+from kvproxy.translate import ollama as tr
+from kvproxy.upstream.llama import UpstreamError
+from kvproxy.slots.switch import Lease, SlotBusy
 
 PNG = base64.b64encode(b"\x89PNG\r\n\x1a\n" + bytes(24)).decode()
 

@@ -20,7 +20,7 @@ import pytest
 import requests
 
 from conftest import count_tokens, long_text
-from kvproxy.identity import SIDE_SESSION
+from kvproxy.sessions.identity import SIDE_SESSION
 from recorder import load_fixtures
 
 pytestmark = pytest.mark.real

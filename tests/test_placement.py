@@ -1,7 +1,7 @@
 """Where a request runs with several slots: the pure placement decision, table-driven."""
 import pytest
 
-from kvproxy.placement import (EVICT, FREE, HOLDER, WAIT, Placement, SlotFacts, facts_from_table,
+from kvproxy.slots.placement import (EVICT, FREE, HOLDER, WAIT, Placement, SlotFacts, facts_from_table,
                                place, queue_order)
 
 

@@ -1,8 +1,8 @@
 """The llama-server command line kvproxy's tools start: slot count and pinning flags."""
 import pytest
 
-from kvproxy import processes
-from kvproxy.processes import LlamaServer
+from kvproxy.launch import processes
+from kvproxy.launch.processes import LlamaServer
 
 
 @pytest.fixture(autouse=True)
@@ -34,7 +34,7 @@ def test_zero_slots_is_refused(tmp_path):
 
 
 # -- make run: LLAMA_SLOTS, LLAMA_CTX, LLAMA_CACHE_RAM ------------------------------
-from kvproxy.serve import llama_layout  # noqa: E402
+from kvproxy.launch.serve import llama_layout  # noqa: E402
 
 
 def test_make_run_keeps_one_slot_and_its_ram_cache_by_default():
@@ -60,7 +60,7 @@ def test_make_run_refuses_a_bad_slot_count_before_starting_anything(tmp_path):
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parent.parent
-    result = subprocess.run([sys.executable, "-m", "kvproxy.serve"], cwd=root, capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "kvproxy.launch.serve"], cwd=root, capture_output=True,
                             text=True, timeout=60,
                             env={**os.environ, "KVPROXY_SLOT_DIR": str(tmp_path / "slots"),
                                  "KVPROXY_LOG_DIR": str(tmp_path / "log"), "LLAMA_SLOTS": "0"})

@@ -12,9 +12,9 @@ import requests
 import responses
 
 from kvproxy import create_app
-from kvproxy.identity import Session
-from kvproxy.relay import Answer, ChatCall, Prompt, timings_from_usage
-from kvproxy.switch import ClientGone
+from kvproxy.sessions.identity import Session
+from kvproxy.web.relay import Answer, ChatCall, Prompt, timings_from_usage
+from kvproxy.slots.switch import ClientGone
 from tests.fake_llama import UPSTREAM, FakeLlama
 
 CHAT = f"{UPSTREAM}/v1/chat/completions"
@@ -115,7 +115,7 @@ def test_the_grouping_settings_reach_identity(tmp_path, fake):
 
 
 def test_a_call_marked_side_is_never_saved(tmp_path, fake):
-    from kvproxy.relay import ChatCall
+    from kvproxy.web.relay import ChatCall
     relay = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM}).extensions["kvproxy.relay"]
     session = relay.session_for(ChatCall(body={"messages": []}, side=True), stream=True)
     assert (session.id, session.source, session.persistent) == ("side", "side-request", False)

@@ -11,13 +11,13 @@ import pytest
 import responses
 
 from kvproxy import create_app
-from kvproxy.identity import Session
-from kvproxy.llama import LlamaClient
-from kvproxy.restore_check import judge, slot_file_tokens
-from kvproxy.store import SessionStore
-from kvproxy.plan import (EMPTY, FOREIGN, OURS, UNKNOWN, SwapPlan, judge_slot, plan_swap,
+from kvproxy.sessions.identity import Session
+from kvproxy.upstream.llama import LlamaClient
+from kvproxy.slots.restore_check import judge, slot_file_tokens
+from kvproxy.storage.store import SessionStore
+from kvproxy.slots.plan import (EMPTY, FOREIGN, OURS, UNKNOWN, SwapPlan, judge_slot, plan_swap,
                           too_big)
-from kvproxy.switch import HIT, RESTORED, ClientGone, SlotBusy, SlotSwitch, fingerprint_key
+from kvproxy.slots.switch import HIT, RESTORED, ClientGone, SlotBusy, SlotSwitch, fingerprint_key
 from tests.fake_llama import UPSTREAM, FakeLlama, fake, make_switch  # noqa: F401 - fake is a fixture
 from tests.test_switch import FakePrompt, turn
 from tests.test_switch_records import metric
@@ -140,7 +140,7 @@ def test_client_check_reads_the_gunicorn_socket(tmp_path, fake):
     """The route gives the switch a check built on gunicorn's socket: a closed peer is gone."""
     app = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM})
     server_end, client_end = socket.socketpair()
-    from kvproxy.dialects.common import client_still_there
+    from kvproxy.web.common import client_still_there
     with app.test_request_context(environ_base={"gunicorn.socket": server_end}):
         check = client_still_there()
         assert check() is True

@@ -13,7 +13,7 @@ import openai
 import pytest
 import requests
 
-from kvproxy.restore_check import common_prefix, slot_file_tokens
+from kvproxy.slots.restore_check import common_prefix, slot_file_tokens
 from tests.conftest import Stack, long_text
 
 pytestmark = pytest.mark.real

@@ -1,11 +1,11 @@
 """Noticing a llama-server restart without asking /slots on every request (real llama-server)."""
 import pytest
 
-from kvproxy.identity import Session
-from kvproxy.llama import LlamaClient
-from kvproxy.processes import LlamaServer
-from kvproxy.store import SessionStore
-from kvproxy.switch import HIT, RESTORED, SlotSwitch
+from kvproxy.sessions.identity import Session
+from kvproxy.upstream.llama import LlamaClient
+from kvproxy.launch.processes import LlamaServer
+from kvproxy.storage.store import SessionStore
+from kvproxy.slots.switch import HIT, RESTORED, SlotSwitch
 from tests.conftest import long_text
 
 pytestmark = pytest.mark.real

@@ -1,6 +1,6 @@
 """Session identity of the Responses API and of fill-in-the-middle requests."""
-from kvproxy import identity
-from kvproxy.route_identity import (infill_session, responses_identity_body,
+from kvproxy.sessions import identity
+from kvproxy.sessions.route_identity import (infill_session, responses_identity_body,
                                     responses_messages)
 
 HEADERS = ("X-Session-Id",)

@@ -12,9 +12,9 @@ import pytest
 from werkzeug.datastructures import Headers
 
 from claude_code_turns import anonymous, turns
-from kvproxy import identity
+from kvproxy.sessions import identity
 from kvproxy.config import load_settings
-from kvproxy.dialects import anthropic_translate
+from kvproxy.translate import anthropic as anthropic_translate
 from recorder import load_fixtures
 
 RECORDED = load_fixtures(Path(__file__).parent / "fixtures" / "recorded" / "claude-code")

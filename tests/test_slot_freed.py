@@ -8,10 +8,11 @@ import pytest
 import responses
 
 from kvproxy import create_app
-from kvproxy import relay as relay_module
-from kvproxy.dialects import anthropic_translate, common, ollama_translate, openai
-from kvproxy.llama import LlamaClient
-from kvproxy.switch import Lease
+from kvproxy.web import relay as relay_module
+from kvproxy.translate import anthropic as anthropic_translate, ollama as ollama_translate
+from kvproxy.web import common, openai
+from kvproxy.upstream.llama import LlamaClient
+from kvproxy.slots.switch import Lease
 from tests.fake_llama import UPSTREAM, FakeLlama
 
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -3,11 +3,11 @@ import time
 
 import pytest
 
-from kvproxy import metrics
-from kvproxy.identity import Session
-from kvproxy.slotlock import SlotBusy
-from kvproxy.slotpool import SlotPool
-from kvproxy.store import SessionStore
+from kvproxy.ops import metrics
+from kvproxy.sessions.identity import Session
+from kvproxy.slots.lock import SlotBusy
+from kvproxy.slots.pool import SlotPool
+from kvproxy.storage.store import SessionStore
 from tests.fake_llama import fake, make_switch  # noqa: F401 - fake is a fixture
 
 

@@ -6,12 +6,12 @@ import openai
 import pytest
 import requests
 
-from kvproxy import identity
+from kvproxy.sessions import identity
 from kvproxy.config import load_settings
-from kvproxy.llama import LlamaClient
-from kvproxy.relay import ChatCall, Prompt
-from kvproxy.store import SessionStore
-from kvproxy.switch import RESTORED, SlotSwitch
+from kvproxy.upstream.llama import LlamaClient
+from kvproxy.web.relay import ChatCall, Prompt
+from kvproxy.storage.store import SessionStore
+from kvproxy.slots.switch import RESTORED, SlotSwitch
 from tests.conftest import long_text
 
 pytestmark = pytest.mark.real

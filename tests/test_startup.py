@@ -5,7 +5,7 @@ import pytest
 import responses
 
 from kvproxy import create_app
-from kvproxy.startup import ContractError, check_at_start
+from kvproxy.ops.startup import ContractError, check_at_start
 from tests.fake_llama import UPSTREAM, FakeLlama
 
 
@@ -76,7 +76,7 @@ def test_without_a_slot_count_kvproxy_drives_every_slot_llama_server_has(tmp_pat
 
 
 def test_llama_server_down_at_start_then_health_reports_the_mismatch(tmp_path, mock, monkeypatch):
-    monkeypatch.setattr("kvproxy.startup.RECHECK_AFTER", 0)
+    monkeypatch.setattr("kvproxy.ops.startup.RECHECK_AFTER", 0)
     app = make_app(tmp_path / "kvproxy-reads-here")
     check_at_start(app)                       # llama-server does not answer: start anyway
     client = app.test_client()
@@ -93,7 +93,7 @@ def test_llama_server_down_at_start_then_health_reports_the_mismatch(tmp_path, m
 
 def test_health_answers_at_once_while_the_slot_is_busy(tmp_path, mock, monkeypatch):
     """The lazy check never waits for the slot: a busy slot leaves it pending."""
-    monkeypatch.setattr("kvproxy.startup.RECHECK_AFTER", 0)
+    monkeypatch.setattr("kvproxy.ops.startup.RECHECK_AFTER", 0)
     FakeLlama(mock, tmp_path)
     app = make_app(tmp_path)
     switch = app.extensions["kvproxy.switch"]

@@ -8,11 +8,11 @@ import pytest
 import responses
 
 from kvproxy import create_app
-from kvproxy.activity import RecentActivity
-from kvproxy.identity import Session, client_key
-from kvproxy.status import restore_check_view, session_rows
-from kvproxy.store import SIDECAR_FORMAT
-from kvproxy.switch import fingerprint, fingerprint_key
+from kvproxy.ops.activity import RecentActivity
+from kvproxy.sessions.identity import Session, client_key
+from kvproxy.ops.status import restore_check_view, session_rows
+from kvproxy.storage.store import SIDECAR_FORMAT
+from kvproxy.slots.switch import fingerprint, fingerprint_key
 from tests.fake_llama import MODELS, PROPS, UPSTREAM, FakeLlama
 
 AUTH = {"Authorization": "Bearer s3cret"}

@@ -14,7 +14,7 @@ import openai
 import pytest
 import requests
 
-from kvproxy.restore_check import CHECK_FILE
+from kvproxy.slots.restore_check import CHECK_FILE
 from tests.conftest import Stack
 
 pytestmark = pytest.mark.real

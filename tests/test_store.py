@@ -5,9 +5,9 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from kvproxy import store as store_module
-from kvproxy.disk import DiskBudget, is_leftover, sweep
-from kvproxy.store import STATE_FILE, STATE_LOCK, SessionStore, StorageError, migrate_sidecar, write_json_beside
+from kvproxy.storage import store as store_module
+from kvproxy.storage.disk import DiskBudget, is_leftover, sweep
+from kvproxy.storage.store import STATE_FILE, STATE_LOCK, SessionStore, StorageError, migrate_sidecar, write_json_beside
 
 
 def evict(store: SessionStore, max_bytes: int, keep: set[str]) -> list[tuple[str, int]]:

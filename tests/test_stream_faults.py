@@ -9,8 +9,9 @@ import pytest
 import requests
 import responses
 
-from kvproxy import create_app, relay
-from kvproxy.llama import UpstreamUnavailable, sse_events
+from kvproxy import create_app
+from kvproxy.web import relay
+from kvproxy.upstream.llama import UpstreamUnavailable, sse_events
 from tests.fake_llama import UPSTREAM, FakeLlama
 
 CHUNK = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "tok "}}]}

@@ -5,10 +5,10 @@ import pytest
 import responses
 
 from kvproxy import create_app
-from kvproxy.identity import Session, base_stem, client_key, file_stem
-from kvproxy.llama import LlamaClient
-from kvproxy.store import SessionStore
-from kvproxy.switch import BASE, HIT, MISS, RESTORED, SlotBusy, SlotSwitch, fingerprint_key
+from kvproxy.sessions.identity import Session, base_stem, client_key, file_stem
+from kvproxy.upstream.llama import LlamaClient
+from kvproxy.storage.store import SessionStore
+from kvproxy.slots.switch import BASE, HIT, MISS, RESTORED, SlotBusy, SlotSwitch, fingerprint_key
 from tests.fake_llama import UPSTREAM, FakeLlama, FakePrompt
 
 

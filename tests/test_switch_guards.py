@@ -9,10 +9,10 @@ import responses
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvproxy import create_app
-from kvproxy.identity import Session
-from kvproxy.llama import LlamaClient
-from kvproxy.store import SessionStore
-from kvproxy.switch import HIT, MISS, RESTORED, SlotBusy, SlotSwitch
+from kvproxy.sessions.identity import Session
+from kvproxy.upstream.llama import LlamaClient
+from kvproxy.storage.store import SessionStore
+from kvproxy.slots.switch import HIT, MISS, RESTORED, SlotBusy, SlotSwitch
 from tests.fake_llama import UPSTREAM, FakeLlama, FakePrompt, fake, make_switch  # noqa: F401 - fake is a fixture
 from tests.test_switch_records import metric
 
@@ -92,7 +92,7 @@ def test_when_slots_cannot_tell_after_a_cut_the_slot_keeps_its_record(tmp_path, 
                                                                      monkeypatch, slots):
     """The slot still holds what kvproxy recorded before the cut answer: it is still saved,
     and the answer still counts for its session."""
-    from kvproxy.llama import UpstreamUnavailable
+    from kvproxy.upstream.llama import UpstreamUnavailable
 
     def unreachable():
         raise UpstreamUnavailable("llama-server is not reachable")
@@ -255,5 +255,5 @@ def test_evictions_show_in_metrics(tmp_path, fake):
 ])
 def test_what_counts_as_an_emptied_slot(slot, empty):
     """kvproxy left 120 tokens in the slot; /slots decides (plan.judge_slot) whether it was emptied."""
-    from kvproxy.plan import EMPTY, OURS, judge_slot
+    from kvproxy.slots.plan import EMPTY, OURS, judge_slot
     assert judge_slot(slot, 120) == (EMPTY if empty else OURS)

@@ -7,11 +7,11 @@ import time
 import pytest
 import responses
 
-from kvproxy import metrics
-from kvproxy.identity import Session, base_stem
-from kvproxy.llama import LlamaClient, UpstreamError
-from kvproxy.store import SessionStore, StorageError
-from kvproxy.switch import MISS, RESTORED, SlotBusy, SlotSwitch
+from kvproxy.ops import metrics
+from kvproxy.sessions.identity import Session, base_stem
+from kvproxy.upstream.llama import LlamaClient, UpstreamError
+from kvproxy.storage.store import SessionStore, StorageError
+from kvproxy.slots.switch import MISS, RESTORED, SlotBusy, SlotSwitch
 from tests.fake_llama import UPSTREAM, FakeLlama, FakePrompt, fake, make_switch  # noqa: F401 - fake is a fixture
 
 A = Session("A", "test", system_hash="aaaa", key="A#aaaa")
@@ -321,7 +321,7 @@ def test_restored_hit_then_swap_keeps_counting_hits(tmp_path, fake):
 # -- what a refused file records ---------------------------------------------------------
 def test_the_fingerprint_format_stays_the_same_across_versions():
     """Sidecars on disk hold it: another format would refuse every saved file after an upgrade."""
-    from kvproxy.switch import fingerprint
+    from kvproxy.slots.switch import fingerprint
     from tests.fake_llama import MODELS, PROPS
     assert fingerprint(PROPS, MODELS) == {"model_path": "/models/tiny.gguf", "model_size": 1000,
                                           "n_params": 135, "n_ctx": 8192, "build_info": "b1-test"}
@@ -338,7 +338,7 @@ def test_a_refused_file_says_why_in_log_sidecar_and_metrics(tmp_path, fake, capl
     before = metric("kvproxy_restore_misses_total", reason="model_mismatch")
     with caplog.at_level(logging.WARNING, logger="kvproxy.switch"):
         assert switch.acquire(A).cache == MISS
-    from kvproxy.switch import fingerprint
+    from kvproxy.slots.switch import fingerprint
     running = fingerprint(fake.props, fake.models)
     assert running == {**made_by, "build_info": "b2-other"}
     reason = f"made by {made_by}, running {running}"

@@ -10,9 +10,9 @@ import requests
 import responses
 
 from kvproxy import create_app
-from kvproxy.identity import Session
-from kvproxy.plan import save_before_side, side_landed_in
-from kvproxy.store import SessionStore
+from kvproxy.sessions.identity import Session
+from kvproxy.slots.plan import save_before_side, side_landed_in
+from kvproxy.storage.store import SessionStore
 from tests.fake_llama import UPSTREAM, FakeLlama
 
 # Each route with a body it accepts; llama-server reads id_slot for none of them.

@@ -5,7 +5,7 @@ import requests
 
 import pytest
 
-from kvproxy.processes import LlamaServer
+from kvproxy.launch.processes import LlamaServer
 from tests.conftest import Stack, long_text
 
 pytestmark = pytest.mark.real

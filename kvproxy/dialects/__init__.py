@@ -1,1 +1,0 @@
-"""Client API dialects: each translates its wire format to and from a neutral ``ChatCall``."""

@@ -1,0 +1,1 @@
+"""Starting llama-server and kvproxy processes: ``make run``, the tests, the benchmark."""

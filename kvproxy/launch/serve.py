@@ -1,0 +1,103 @@
+"""``make run``: llama-server with the bundled model plus kvproxy under gunicorn.
+
+``LLAMA_SLOTS`` (default 1) sets llama-server's ``-np``: that many conversations
+stay in memory and answer side by side, each with ``-c / LLAMA_SLOTS`` tokens of
+context. With several slots llama-server's own RAM prompt cache is off
+(``--cache-ram 0``): kvproxy pins every request to a slot and keeps the cache
+in slot files, and that cache has open bugs that put one conversation into
+another's slot. ``LLAMA_CACHE_RAM`` (MiB) overrides it. Waits until both
+answer, prints where to point clients, and stops both on Ctrl-C or SIGTERM.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from kvproxy.config import ConfigError, check_slot_dir, load_settings
+from kvproxy.launch.processes import LlamaServer, ProxyServer
+
+
+SINGLE_SLOT_CACHE_RAM = 16384  # MiB, as before with one slot
+
+
+def llama_layout(environ) -> tuple[int, int, int]:
+    """(slots, context, RAM cache MiB) for llama-server from LLAMA_SLOTS, LLAMA_CTX and
+    LLAMA_CACHE_RAM; ValueError names the variable."""
+    values = {}
+    for name, default, low in (("LLAMA_SLOTS", "1", 1), ("LLAMA_CTX", "8192", 256),
+                               ("LLAMA_CACHE_RAM", "", 0)):
+        raw = environ.get(name, default)
+        if name == "LLAMA_CACHE_RAM" and raw == "":
+            continue
+        try:
+            values[name] = int(raw)
+        except ValueError:
+            values[name] = low - 1
+        if values[name] < low:
+            raise ValueError(f"{name}={raw!r} is invalid: expected a whole number from {low}")
+    slots = values["LLAMA_SLOTS"]
+    cache_ram = values.get("LLAMA_CACHE_RAM", SINGLE_SLOT_CACHE_RAM if slots == 1 else 0)
+    return slots, values["LLAMA_CTX"], cache_ram
+
+
+def main() -> int:
+    port = int(os.environ.get("KVPROXY_PORT", "11434"))
+    llama_port = int(os.environ.get("LLAMA_PORT", "8080"))
+    slot_dir = os.path.abspath(os.environ.get("KVPROXY_SLOT_DIR", "var/slots"))
+    log_dir = Path(os.environ.get("KVPROXY_LOG_DIR", "var/log"))
+    try:  # a bad setting stops here with one line, before llama-server spends time loading
+        load_settings({**os.environ, "KVPROXY_SLOT_DIR": slot_dir})
+        check_slot_dir(slot_dir)
+        slots, ctx_size, cache_ram = llama_layout(os.environ)
+    except (ConfigError, ValueError) as exc:
+        print(f"kvproxy: {exc}", file=sys.stderr, flush=True)
+        return 2
+    log_dir.mkdir(parents=True, exist_ok=True)
+
+    print(f"kvproxy: starting llama-server on port {llama_port} with {slots} slot(s) of "
+          f"{ctx_size // slots} tokens (slot files in {slot_dir})", flush=True)
+    llama = LlamaServer(slot_dir, port=llama_port, log_path=str(log_dir / "llama-server.log"),
+                        slots=slots, ctx_size=ctx_size, cache_ram_mib=cache_ram)
+    try:
+        llama.start()
+    except (OSError, RuntimeError, TimeoutError) as exc:
+        print(f"kvproxy: llama-server did not start ({exc}); see {log_dir}/llama-server.log",
+              file=sys.stderr, flush=True)
+        return 1
+    proxy = ProxyServer(llama.url, slot_dir, port=port)
+
+    stopping = False
+
+    def stop(*_args) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        try:
+            proxy.start()
+        except (OSError, RuntimeError, TimeoutError) as exc:
+            # Its own one-line reason (a bad setting, a failed start-up check) is printed above.
+            print(f"kvproxy: did not start ({exc})", file=sys.stderr, flush=True)
+            return 1
+        print(f"kvproxy: ready. llama-server {llama.url}, proxy http://127.0.0.1:{port}\n"
+              f"  OpenWebUI (Ollama API):  OLLAMA_BASE_URL=http://127.0.0.1:{port}\n"
+              f"  OpenAI clients:          base_url=http://127.0.0.1:{port}/v1\n"
+              f"  Anthropic clients:       ANTHROPIC_BASE_URL=http://127.0.0.1:{port}\n"
+              f"  Sessions:                curl http://127.0.0.1:{port}/api/sessions\n"
+              f"  Logs: {log_dir}/llama-server.log. Ctrl-C stops both.", flush=True)
+        while not stopping and proxy.process.poll() is None and llama.process.poll() is None:
+            time.sleep(0.5)
+    finally:
+        print("kvproxy: stopping", flush=True)
+        proxy.stop()
+        llama.stop()
+    return 0 if stopping else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

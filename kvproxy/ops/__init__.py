@@ -1,0 +1,1 @@
+"""The operator's side: health, metrics, admin API, status page, CLI, start-up checks."""

@@ -1,0 +1,230 @@
+"""Session admin API (flask-smorest): list, inspect, clear and delete sessions; list slots.
+
+When ``KVPROXY_ADMIN_TOKEN`` is set every endpoint here needs
+``Authorization: Bearer <token>``.
+"""
+from __future__ import annotations
+
+import hmac
+
+import marshmallow as ma
+from flask import current_app, request
+from flask.views import MethodView
+from flask_smorest import Blueprint, abort
+
+from kvproxy.upstream.llama import UpstreamError, UpstreamUnavailable
+from kvproxy.slots.lock import SlotUnavailable
+
+blueprint = Blueprint("sessions", __name__, url_prefix="/api/sessions",
+                      description="Saved llama-server slot sessions")
+slots_blueprint = Blueprint("slots", __name__, url_prefix="/api/slots",
+                            description="The llama-server slots kvproxy drives")
+
+
+class SessionSchema(ma.Schema):
+    session_id = ma.fields.String(metadata={"description": "The id as the client sent it"})
+    kind = ma.fields.String(metadata={"description": "'session', or 'base' for a shared system prompt"})
+    file = ma.fields.String(metadata={"description": "Slot file name in the slot folder"})
+    file_bytes = ma.fields.Integer(metadata={"description": "Size of the slot file on disk"})
+    n_tokens = ma.fields.Integer(allow_none=True)
+    n_bytes = ma.fields.Integer(allow_none=True, metadata={"description": "Bytes llama-server wrote"})
+    created_at = ma.fields.String(allow_none=True)
+    last_used_at = ma.fields.String(allow_none=True)
+    saved_at = ma.fields.String(allow_none=True)
+    save_ms = ma.fields.Float(allow_none=True)
+    restore_ms = ma.fields.Float(allow_none=True)
+    hits = ma.fields.Integer()
+    restores = ma.fields.Integer(allow_none=True)
+    system_hash = ma.fields.String(allow_none=True)
+    refused = ma.fields.String(allow_none=True, metadata={
+        "description": "Why the file was last refused for restore (made by another model)"})
+    refused_at = ma.fields.String(allow_none=True)
+    restore_not_honoured_at = ma.fields.String(allow_none=True, metadata={
+        "description": "Last time llama-server recomputed the prompt after restoring this file"})
+    last_cache = ma.fields.String(allow_none=True, metadata={
+        "description": "hit, restored, base or miss, for the last request"})
+    last_cache_n = ma.fields.Integer(allow_none=True, metadata={
+        "description": "Prompt tokens llama-server reused on the last request"})
+    last_prompt_n = ma.fields.Integer(allow_none=True, metadata={
+        "description": "Prompt tokens llama-server computed on the last request"})
+    prefill_computed = ma.fields.Integer(allow_none=True, metadata={
+        "description": "Base snapshots: tokens computed to make it (the system prompt alone)"})
+    made_by = ma.fields.Dict(allow_none=True, metadata={
+        "description": "Model, context size and build that wrote the file"})
+
+
+class RestoreCheckSchema(ma.Schema):
+    restoring_off = ma.fields.Boolean(metadata={
+        "description": "True while restoring is switched off for the running model"})
+    off_since = ma.fields.String(allow_none=True)
+    off_until = ma.fields.String(allow_none=True, metadata={
+        "description": "When restoring comes back on by itself (KVPROXY_RESTORE_OFF_MINUTES)"})
+    misses_in_a_row = ma.fields.Integer(metadata={
+        "description": "Restores in a row that llama-server did not honour"})
+    last_miss_at = ma.fields.String(allow_none=True)
+
+
+class SlotSchema(ma.Schema):
+    id = ma.fields.Integer(metadata={"description": "llama-server's slot id (id_slot)"})
+    session_id = ma.fields.String(metadata={"description": "The session the slot holds"})
+    persistent = ma.fields.Boolean(metadata={
+        "description": "False for side requests and 'default': nothing to save"})
+    file = ma.fields.String(allow_none=True, metadata={"description": "Its slot file"})
+    tokens = ma.fields.Integer(metadata={"description": "Tokens the slot holds, as last recorded"})
+    n_ctx = ma.fields.Integer(allow_none=True, metadata={
+        "description": "The slot's context (llama-server's -c split between slots), once seen"})
+    busy = ma.fields.Boolean(metadata={"description": "A request of this process holds it now"})
+    busy_since = ma.fields.String(allow_none=True)
+    unproven = ma.fields.Boolean(metadata={
+        "description": "A swap failed half-way: what it holds is not trusted until the next swap"})
+    since = ma.fields.String(allow_none=True, metadata={
+        "description": "When the slot last changed session (or size)"})
+    last_used_at = ma.fields.String(allow_none=True, metadata={
+        "description": "Last request: the least recently used idle slot is swapped out first"})
+
+
+class SlotQuerySchema(ma.Schema):
+    slot = ma.fields.Integer(load_default=None, validate=ma.validate.Range(min=0), metadata={
+        "description": "One slot's id; default: every slot"})
+
+
+class CurrentSchema(ma.Schema):
+    slot = ma.fields.Integer(allow_none=True, metadata={
+        "description": "The slot described: the one asked for, else the one used last"})
+    slots = ma.fields.List(ma.fields.Nested(SlotSchema), metadata={
+        "description": "Every slot and the session it holds"})
+    session_id = ma.fields.String()
+    persistent = ma.fields.Boolean()
+    file = ma.fields.String(allow_none=True)
+    file_exists = ma.fields.Boolean()
+    file_bytes = ma.fields.Integer()
+    session = ma.fields.Nested(SessionSchema, allow_none=True)
+    restore_check = ma.fields.Nested(RestoreCheckSchema, metadata={
+        "description": "The restore check (for the model it switched off, if any)"})
+
+
+class ClearedSchema(ma.Schema):
+    session_id = ma.fields.String()
+    cleared = ma.fields.Boolean()
+    slots = ma.fields.List(ma.fields.Integer(), metadata={"description": "The slots cleared"})
+
+
+def _switch():
+    return current_app.extensions["kvproxy.switch"]
+
+
+def _unavailable(exc: Exception):
+    """A slot or llama-server failure as a 503 the caller can retry."""
+    retry = getattr(exc, "retry_after", 5)
+    abort(503, message=str(exc), headers={"Retry-After": str(retry)})
+
+
+def _restore_check_status() -> dict:
+    """Never waits for the slot, nor for llama-server: reads one small file."""
+    return _switch().restore_check.status(None)
+
+
+def _as_listing(sidecar: dict) -> dict:
+    return {**sidecar, "file": f"{sidecar.get('stem')}.bin"}
+
+
+@blueprint.before_request
+def require_token() -> None:
+    token = current_app.config["KVPROXY"].admin_token
+    if not token:
+        return
+    sent = request.headers.get("Authorization", "")
+    if not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
+        abort(401, message="missing or wrong admin token: send 'Authorization: Bearer <token>'")
+
+
+@blueprint.route("")
+class Sessions(MethodView):
+    @blueprint.response(200, SessionSchema(many=True))
+    def get(self):
+        """List every saved session and base snapshot, from their sidecars."""
+        return [_as_listing(s) for s in _switch().store.sidecars()]
+
+
+def _slot_arg(slot: int | None) -> int | None:
+    if slot is not None and slot not in _switch().slot_ids():
+        abort(400, message=f"no slot {slot}: kvproxy drives slots {_switch().slot_ids()}")
+    return slot
+
+
+@blueprint.route("/current")
+class Current(MethodView):
+    @blueprint.arguments(SlotQuerySchema, location="query")
+    @blueprint.response(200, CurrentSchema)
+    def get(self, args):
+        """The session a slot holds now (``?slot=N``; default: the slot used last), the status
+        of its slot file, and every slot with its session in ``slots``."""
+        switch = _switch()
+        store = switch.store
+        slots = switch.slot_listing()
+        slot = _slot_arg(args.get("slot"))
+        if slot is None and slots:
+            slot = max(slots, key=lambda row: (row["last_used_at"] or row["since"] or "",
+                                               -row["id"]))["id"]
+        state = store.read_state(slot) if slot is not None else {}
+        stem = state.get("active_stem")
+        sidecar = store.read_sidecar(stem) if stem else None
+        return {"slot": slot, "slots": slots,
+                "session_id": state.get("active") or "default",
+                "persistent": bool(state.get("active_persistent")),
+                "file": f"{stem}.bin" if stem else None,
+                "file_exists": bool(stem) and store.has_bin(stem),
+                "file_bytes": store.bin_bytes(stem) if stem else 0,
+                "session": _as_listing(sidecar) if sidecar else None,
+                "restore_check": _restore_check_status()}
+
+
+@blueprint.route("/clear")
+class Clear(MethodView):
+    @blueprint.arguments(SlotQuerySchema, location="query")
+    @blueprint.response(200, ClearedSchema)
+    def post(self, args):
+        """Save the session a slot holds, erase the slot and make 'default' its session:
+        ``?slot=N`` for one slot, every slot by default (each waits like a request)."""
+        slot = _slot_arg(args.get("slot"))
+        try:
+            cleared = _switch().clear(slot)
+        except (SlotUnavailable, UpstreamError, UpstreamUnavailable) as exc:
+            _unavailable(exc)
+        return {"session_id": "default", "cleared": True, "slots": cleared}
+
+
+@blueprint.route("/restore-check/reset")
+class RestoreCheckReset(MethodView):
+    @blueprint.response(200, RestoreCheckSchema)
+    def post(self):
+        """Turn restoring back on and forget unhonoured restores; does not wait for the slot."""
+        _switch().restore_check.reset()
+        return _restore_check_status()
+
+
+@blueprint.route("/<path:session_id>")
+class OneSession(MethodView):
+    @blueprint.response(204)
+    def delete(self, session_id: str):
+        """Delete a session's slot file and sidecar; erases the slot if it holds it."""
+        try:
+            removed = _switch().forget(session_id)
+        except SlotUnavailable as exc:
+            _unavailable(exc)
+        if not removed:
+            abort(404, message=f"no saved session {session_id!r}")
+
+
+@slots_blueprint.before_request
+def _slots_token() -> None:
+    require_token()
+
+
+@slots_blueprint.route("")
+class Slots(MethodView):
+    @slots_blueprint.response(200, SlotSchema(many=True))
+    def get(self):
+        """Every slot kvproxy drives: the session it holds, its tokens, busy or idle and since
+        when. Read from the state table; never waits for a slot or for llama-server."""
+        return _switch().slot_listing()

@@ -1,0 +1,46 @@
+"""Operator endpoints: /health and /metrics, and the X-KVProxy-Node header on every reply."""
+from __future__ import annotations
+
+from flask import Blueprint, Response, current_app, jsonify
+from prometheus_client import generate_latest, CONTENT_TYPE_LATEST
+
+from kvproxy.upstream.llama import UpstreamError, UpstreamUnavailable
+from kvproxy.ops.metrics import REGISTRY
+
+blueprint = Blueprint("ops", __name__)
+
+
+@blueprint.after_app_request
+def name_the_node(response: Response) -> Response:
+    """Behind a balancer, operators and tests see which machine answered (and holds the session)."""
+    response.headers["X-KVProxy-Node"] = current_app.config["KVPROXY"].node_name
+    return response
+
+
+@blueprint.get("/health")
+def health() -> Response:
+    """200 with llama-server's state when it answers, 503 otherwise, or while the start-up
+    check finds that kvproxy and llama-server disagree (the reason is in ``error``)."""
+    client = current_app.extensions["kvproxy.relay"].client
+    try:
+        upstream = client.health()
+    except (UpstreamError, UpstreamUnavailable) as exc:
+        response = jsonify({"status": "unavailable", "upstream": client.base_url,
+                            "error": str(exc)})
+        response.status_code = 503
+        return response
+    contract = current_app.extensions["kvproxy.contract"]
+    problem = contract.current_problem()
+    if problem:
+        response = jsonify({"status": "misconfigured", "upstream": client.base_url,
+                            "error": problem, "llama_server": upstream})
+        response.status_code = 503
+        return response
+    return jsonify({"status": "ok", "upstream": client.base_url, "llama_server": upstream,
+                    "startup_check": "passed" if contract.passed else "pending"})
+
+
+@blueprint.get("/metrics")
+def metrics() -> Response:
+    """Prometheus text format."""
+    return Response(generate_latest(REGISTRY), mimetype=CONTENT_TYPE_LATEST)

@@ -1,0 +1,157 @@
+"""Start-up: clean the slot folder and prove the contract with llama-server.
+
+kvproxy and llama-server must agree on things neither checks by itself: the
+slot folder kvproxy reads is the one llama-server writes, llama-server has slot
+saving on, and the slot id exists (llama-server wraps ids modulo its slot
+count, so a wrong id silently lands on another slot). A probe save proves the
+first two. When llama-server is up at start, a mismatch stops start-up with one
+line; when it is not up yet, ``/health`` runs the check lazily and reports a
+mismatch (503 with the reason) until it passes.
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+
+from kvproxy.storage import disk
+from kvproxy.config import ConfigError
+from kvproxy.upstream.llama import LlamaClient, UpstreamError, UpstreamUnavailable
+from kvproxy.storage.store import PROBE_PREFIX, StorageError
+
+log = logging.getLogger("kvproxy.startup")
+
+START_WAIT = 30      # seconds start-up waits for the slot (another process may hold it)
+RECHECK_AFTER = 5    # seconds between lazy re-checks from /health while not passed
+
+
+class ContractError(ConfigError):
+    """kvproxy and llama-server disagree; the message is one line with the fix."""
+
+
+def sweep_slot_folder(switch, wait: float = START_WAIT) -> list[str]:
+    """Remove leftovers of crashes from the slot folder, with every slot locked, and write an
+    older state file in the current format; logs each action."""
+    with switch.holding(wait) as held:
+        if not held:
+            log.warning("start-up sweep of the slot folder skipped: a slot stayed busy")
+            return []
+        try:
+            done = disk.sweep(switch.store)
+            if switch.store.migrate_state_file():
+                done.append(f"state file migrated to the per-slot table (its slot is "
+                            f"{switch.store.legacy_slot})")
+        except (OSError, StorageError) as exc:
+            log.warning("start-up sweep of the slot folder failed: %s", exc)
+            return []
+    for line in done:
+        log.info("start-up sweep: %s", line)
+    return done
+
+
+def contract_problem(client: LlamaClient, switch) -> str | None:
+    """Why kvproxy and llama-server disagree, or None. Run with the slot locked.
+
+    Raises UpstreamUnavailable, or UpstreamError for a 5xx, when llama-server
+    cannot answer yet.
+    """
+    slot_id, root = switch.slot_id, switch.store.root
+    total = client.props().get("total_slots")
+    wanted = switch.configured_slots
+    if isinstance(total, int) and wanted > 1 and wanted > total:
+        return (f"KVPROXY_SLOTS={wanted}, but llama-server has {total} slot(s): start it with "
+                f"-np {wanted}, or set KVPROXY_SLOTS to {total} or less (0: as many as it has)")
+    slot_id = switch.slot_ids()[0]
+    if isinstance(total, int) and slot_id >= total:
+        return (f"KVPROXY_SLOT_ID={slot_id}, but llama-server has {total} slot(s) (ids 0 to "
+                f"{total - 1}) and would wrap the id onto another slot: set KVPROXY_SLOT_ID "
+                f"below {total}")
+    try:
+        client.slots()
+    except UpstreamError as exc:
+        if exc.status == 501:   # --no-slots: slot actions still work, the listing does not
+            return ("llama-server does not list its slots (started with --no-slots), and "
+                    "kvproxy needs GET /slots to know what each slot holds: start it without "
+                    "--no-slots")
+        if exc.status >= 500:
+            raise
+    name = f"{PROBE_PREFIX}{secrets.token_hex(8)}.bin"
+    try:
+        client.slot_action(slot_id, "save", name)
+    except UpstreamError as exc:
+        if exc.status == 501:
+            return f"llama-server has slot saving off: start it with --slot-save-path {root}"
+        if exc.status >= 500:
+            raise
+        return f"llama-server refused a probe save into slot {slot_id}: {exc.message}"
+    probe = root / name
+    if not probe.is_file():
+        return (f"llama-server saved its probe file {name} outside KVPROXY_SLOT_DIR={root}: "
+                f"start llama-server with --slot-save-path {root}, or set KVPROXY_SLOT_DIR to "
+                f"its folder (and delete {name} there)")
+    probe.unlink(missing_ok=True)
+    return None
+
+
+class Contract:
+    """The start-up check's outcome; passes once, re-checked lazily until then."""
+
+    def __init__(self, client: LlamaClient, switch):
+        self.client = client
+        self.switch = switch
+        self.passed = False
+        self.problem: str | None = None
+        self._checked_at = float("-inf")
+        self._checking = threading.Lock()
+
+    def verify(self, wait: float) -> str | None:
+        """Run the check with the slot locked (waiting at most ``wait`` s; a busy slot
+        leaves it pending). Returns the mismatch, or None when it passed or is pending.
+        Raises UpstreamUnavailable/UpstreamError when llama-server cannot answer."""
+        self._checked_at = time.monotonic()
+        with self.switch.holding(wait) as held:
+            if not held:
+                return None
+            problem = contract_problem(self.client, self.switch)
+        if problem and problem != self.problem:
+            log.error("start-up check failed: %s", problem)
+        elif not problem:
+            log.info("start-up check passed: llama-server writes slot files into %s; "
+                     "kvproxy drives slot(s) %s", self.switch.store.root, self.switch.slot_ids())
+        self.problem, self.passed = problem, problem is None
+        return problem
+
+    def current_problem(self) -> str | None:
+        """For /health, without waiting: the known mismatch. Until the check passes, it is
+        run again in the background, at most every few seconds."""
+        if not self.passed and time.monotonic() - self._checked_at >= RECHECK_AFTER and \
+                self._checking.acquire(blocking=False):
+            self._checked_at = time.monotonic()
+            threading.Thread(target=self._recheck, name="kvproxy-startup-check", daemon=True).start()
+        return self.problem
+
+    def _recheck(self) -> None:
+        try:
+            self.verify(wait=0)
+        except (UpstreamError, UpstreamUnavailable) as exc:
+            log.info("start-up check pending: %s", exc)
+        except Exception:  # a background check must never die silently
+            log.exception("start-up check failed unexpectedly")
+        finally:
+            self._checking.release()
+
+
+def check_at_start(app) -> None:
+    """Sweep the slot folder, then run the check; a mismatch raises ContractError.
+    llama-server not answering yet leaves the check to /health."""
+    sweep_slot_folder(app.extensions["kvproxy.switch"])
+    contract: Contract = app.extensions["kvproxy.contract"]
+    try:
+        problem = contract.verify(wait=START_WAIT)
+    except (UpstreamError, UpstreamUnavailable) as exc:
+        log.warning("llama-server does not answer yet (%s); /health reports the start-up check "
+                    "until it passes", exc)
+        return
+    if problem:
+        raise ContractError(problem)

@@ -1,0 +1,193 @@
+"""The operator's view: ``GET /status`` (an HTML page) and ``GET /api/status`` (its data).
+
+The page itself holds nothing private and loads without a token; its data
+names sessions (ids can be e-mail addresses), so ``/api/status`` sits behind
+the admin token like the rest of the admin API. The data is built by plain
+functions from the slot folder, the switch's recent activity and a short,
+bounded look at llama-server over a connection of its own (never the one the
+switch uses to notice llama-server restarts).
+"""
+from __future__ import annotations
+
+import shutil
+from datetime import datetime, timezone
+from typing import Any
+
+import requests
+from flask import Blueprint as FlaskBlueprint, current_app, render_template, request
+from flask.views import MethodView
+from flask_smorest import Blueprint
+
+from kvproxy import __version__
+from kvproxy.ops.admin import require_token
+from kvproxy.ops.metrics import slot_folder_usage
+from kvproxy.slots.restore_check import RestoreCheck
+from kvproxy.storage.store import now_iso
+from kvproxy.slots.switch import fingerprint, fingerprint_key
+
+api_blueprint = Blueprint("status", __name__, url_prefix="/api",
+                          description="Everything the status page shows, in one call")
+api_blueprint.before_request(require_token)
+page_blueprint = FlaskBlueprint("status_page", __name__)
+
+# llama-server is asked with short bounds: the page refreshes every few seconds.
+PROBE_TIMEOUT = (2, 5)
+RESTORE_CHECK_RESET = "/api/sessions/restore-check/reset"
+
+# No inline code, nothing from another origin: the page works offline and a
+# hostile session id shown on it cannot run script.
+PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+            "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+
+
+# -- pure views of what is on disk and in memory -------------------------------
+def session_rows(sidecars: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Sidecars as the page's rows: (sessions, base snapshots), most recently used first."""
+    sessions, bases = [], []
+    for s in sidecars:
+        row = {"id": s.get("session_id"), "file": f"{s.get('stem')}.bin",
+               "bytes": s.get("file_bytes", 0), "tokens": s.get("n_tokens"),
+               "last_used": s.get("last_used_at") or s.get("saved_at"),
+               "restores": s.get("restores") or 0}
+        if s.get("kind") == "base":
+            row["system_hash"] = s.get("system_hash")
+            bases.append(row)
+        else:
+            row.update(hits=s.get("hits") or 0, last_cache=s.get("last_cache"),
+                       refused=bool(s.get("refused")))
+            sessions.append(row)
+    for rows in (sessions, bases):
+        rows.sort(key=lambda r: r["last_used"] or "", reverse=True)
+    return sessions, bases
+
+
+def slots_view(listing: list[dict], llama_slots: list[dict]) -> list[dict]:
+    """Every slot kvproxy drives and what it holds (``SlotSwitch.slot_listing``), with what
+    llama-server says of it: busy while it processes, and its context size."""
+    upstream = {s.get("id"): s for s in llama_slots if isinstance(s, dict)}
+    rows = []
+    for row in listing:
+        seen = upstream.get(row["id"], {})
+        rows.append({**row, "busy": row["busy"] or bool(seen.get("is_processing")),
+                     "n_ctx": seen.get("n_ctx") or row.get("n_ctx")})
+    return rows
+
+
+def disk_view(root, bound_bytes: int) -> dict:
+    """Bytes of slot files against the bound, and the filesystem's free space."""
+    used, files = slot_folder_usage(root)
+    usage = shutil.disk_usage(root)
+    return {"used_bytes": used, "files": files, "bound_bytes": bound_bytes or None,
+            "free_bytes": usage.free, "total_bytes": usage.total}
+
+
+def restore_check_view(entries: dict, limit: int, running_key: str | None,
+                       now: datetime | None = None) -> dict:
+    """Whether restoring is switched off for the running model, and how close it came.
+
+    ``entries`` is the restore check's file (``RestoreCheck.entries()``). Same fields as
+    the restore check in ``GET /api/sessions/current``.
+    """
+    now = now or datetime.now(timezone.utc)
+    shown = {key: RestoreCheck._entry_status(entry, now) for key, entry in entries.items()
+             if isinstance(entry, dict)}
+    view = {"limit": limit, "models_off": sum(1 for st in shown.values() if st["restoring_off"]),
+            "reset": RESTORE_CHECK_RESET}
+    if running_key is None:  # llama-server did not say which model runs
+        view.update(restoring_off=None, misses_in_a_row=None, off_since=None, off_until=None)
+    else:
+        mine = shown.get(running_key) or RestoreCheck._entry_status({}, now)
+        view.update(restoring_off=mine["restoring_off"], off_since=mine["off_since"],
+                    off_until=mine["off_until"], misses_in_a_row=mine["misses_in_a_row"])
+    return view
+
+
+# -- llama-server, asked briefly -----------------------------------------------
+def probe_llama(http: requests.Session, base_url: str) -> dict:
+    """Health, model and slots of llama-server; never raises, every call bounded."""
+    def get(path: str) -> Any:
+        response = http.get(base_url + path, timeout=PROBE_TIMEOUT, allow_redirects=False)
+        if response.status_code >= 400:
+            try:
+                message = (response.json().get("error") or {}).get("message")
+            except (ValueError, AttributeError):
+                message = None
+            raise RuntimeError(message or f"HTTP {response.status_code}")
+        return response.json()
+
+    view: dict = {"url": base_url, "status": "ok", "error": None, "model": None,
+                  "n_ctx": None, "build": None, "slots": [], "running_key": None}
+    try:
+        get("/health")
+    except requests.RequestException as exc:
+        return {**view, "status": "unreachable", "error": exc.__class__.__name__}
+    except (RuntimeError, ValueError) as exc:
+        return {**view, "status": "unhealthy", "error": str(exc)}
+    try:
+        props, models = get("/props"), get("/v1/models")
+        made_by = fingerprint(props, models)
+        view.update(model=(made_by["model_path"] or "").rsplit("/", 1)[-1] or None,
+                    n_ctx=made_by["n_ctx"], build=made_by["build_info"],
+                    running_key=fingerprint_key(made_by))
+        view["slots"] = get("/slots")
+    except (requests.RequestException, RuntimeError, ValueError) as exc:
+        view["error"] = f"{exc.__class__.__name__}: {exc}"
+    return view
+
+
+def status_data(include_sessions: bool = True) -> dict:
+    """Everything the page and ``python -m kvproxy`` show, for the app serving the request."""
+    settings = current_app.config["KVPROXY"]
+    switch = current_app.extensions["kvproxy.switch"]
+    http = current_app.extensions["kvproxy.status_http"]
+    llama = probe_llama(http, settings.upstream)
+    sessions, bases = session_rows(switch.store.sidecars()) if include_sessions else ([], [])
+    running_key = llama.pop("running_key")
+    llama_slots = llama.pop("slots")
+    return {
+        "version": __version__,
+        "generated_at": now_iso(),
+        "llama_server": llama,
+        "slots": slots_view(switch.slot_listing(), llama_slots),
+        "stats": switch.activity.totals(),
+        "timeline": switch.activity.timeline(),
+        "swaps": switch.activity.recent_swaps(),
+        "disk": disk_view(switch.store.root, switch.max_disk_bytes),
+        "restore_check": restore_check_view(switch.restore_check.entries(),
+                                            settings.restore_miss_limit, running_key),
+        "sessions": sessions if include_sessions else None,
+        "bases": bases if include_sessions else None,
+    }
+
+
+@api_blueprint.route("/status")
+class Status(MethodView):
+    @api_blueprint.response(200)
+    def get(self):
+        """Slots, saved sessions, base snapshots, disk, cache outcomes, swaps, llama-server.
+
+        ``?sessions=0`` leaves out the session and base lists (for quick polls).
+        """
+        return status_data(include_sessions=request.args.get("sessions", "1") != "0")
+
+
+@page_blueprint.get("/status")
+def page():
+    """The status page: static HTML, CSS and JS that fetch ``/api/status``."""
+    response = current_app.make_response(render_template(
+        "status.html", token_required=bool(current_app.config["KVPROXY"].admin_token),
+        version=__version__))
+    response.headers["Content-Security-Policy"] = PAGE_CSP
+    response.headers["Referrer-Policy"] = "no-referrer"
+    response.headers["X-Content-Type-Options"] = "nosniff"
+    response.headers["Cache-Control"] = "no-store"
+    return response
+
+
+def init_app(app, api) -> None:
+    """Register the page and its data call; the probe gets its own connection pool."""
+    http = requests.Session()
+    http.trust_env = False  # llama-server is a local hop, as in kvproxy.upstream.llama
+    app.extensions["kvproxy.status_http"] = http
+    app.register_blueprint(page_blueprint)
+    api.register_blueprint(api_blueprint)

@@ -1,0 +1,133 @@
+"""Leasing one of llama-server's slots: a lock per slot, a first-come-first-served queue.
+
+Each slot has its own ``SlotLock`` (thread lock plus file lock), so processes
+sharing the slot folder exclude each other slot by slot. Where a request goes
+is decided by ``placement.place`` over the state table; this module only
+takes the slot it names. A slot is taken with a try-lock: when another process
+got there first, the slot counts as busy for a moment and the decision is made
+again, so the choice stays honest across processes without waiting on a slot
+that may stay busy for minutes.
+
+Requests of this process that cannot be placed wait in arrival order (bounded
+in time and in number, as before with one slot); every release wakes them,
+and they look again every ``POLL`` seconds for slots freed by other processes.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from kvproxy.ops import metrics
+from kvproxy.slots.placement import facts_from_table, queue_order
+from kvproxy.slots.lock import SlotBusy, SlotLock
+from kvproxy.storage.store import SessionStore
+
+POLL = 0.1  # seconds between looks at slots other processes may have freed
+
+
+class _Waiter:
+    __slots__ = ("key", "side")
+
+    def __init__(self, key: str | None, side: bool):
+        self.key, self.side = key, side
+
+
+class SlotPool:
+    """The slots of one llama-server, leased one request at a time each."""
+
+    def __init__(self, store: SessionStore, timeout: float, max_waiters: int):
+        self.store = store
+        self.timeout = timeout
+        self.max_waiters = max_waiters
+        self._cond = threading.Condition()
+        self._queue: list[_Waiter] = []
+        self._locks: dict[int, SlotLock] = {}
+        self._elsewhere: dict[int, float] = {}  # slot -> until when another process holds it
+        self.waiting = 0  # requests of this process waiting for a slot now
+        self.used_here: dict[int, str] = {}  # slot -> ISO time this process last used it
+
+    def lock(self, slot: int) -> SlotLock:
+        with self._cond:
+            if slot not in self._locks:
+                self._locks[slot] = SlotLock(self.store.slot_lock_path(slot), self.timeout,
+                                             self.max_waiters)
+            return self._locks[slot]
+
+    def busy_here(self) -> set[int]:
+        """Slots a thread of this process holds now."""
+        with self._cond:
+            return {slot for slot, lock in self._locks.items() if lock.held_here()}
+
+    def _busy(self) -> set[int]:
+        now = time.monotonic()
+        elsewhere = {slot for slot, until in self._elsewhere.items() if until > now}
+        return {slot for slot, lock in self._locks.items() if lock.held_here()} | elsewhere
+
+    def take(self, slot_ids: list[int], key: str | None, side: bool,
+             timeout: float | None = None) -> tuple[int, bool]:
+        """Lease the slot ``placement`` picks for ``key``; wait (bounded) when none can be
+        had. Returns ``(slot, waited)``. Raises ``SlotBusy`` (bound reached, queue full) or
+        ``SlotUnavailable`` (the lock cannot be taken at all)."""
+        bound = self.timeout if timeout is None else timeout
+        started = time.monotonic()
+        me = _Waiter(key, side)
+        counted = waited = False
+        with self._cond:
+            self._queue.append(me)
+        try:
+            while True:
+                # One slot: nothing to choose between, so the table is not read (the
+                # no-swap path stays as fast as it was).
+                table = self.store.read_table() if len(slot_ids) > 1 else {}
+                with self._cond:
+                    facts = facts_from_table(table, slot_ids, self._busy(), self.used_here)
+                    decision = queue_order(facts, [(w.key, w.side) for w in self._queue],
+                                           self._queue.index(me))
+                if decision.slot is not None:
+                    lock = self.lock(decision.slot)
+                    if lock.try_acquire():
+                        metrics.LOCK_WAIT.observe(time.monotonic() - started)
+                        return decision.slot, waited
+                    if not lock.held_here():  # another process holds it: look elsewhere
+                        with self._cond:
+                            self._elsewhere[decision.slot] = time.monotonic() + POLL
+                    continue
+                if not counted:
+                    with self._cond:
+                        if self.waiting >= self.max_waiters:
+                            metrics.REJECTED.labels("queue_full").inc()
+                            raise SlotBusy(0, retry_after=self._retry_after(bound), queue_full=True)
+                        self.waiting += 1
+                        metrics.WAITERS.inc()
+                    counted = waited = True
+                remaining = bound - (time.monotonic() - started)
+                if remaining <= 0:
+                    metrics.REJECTED.labels("timeout").inc()
+                    raise SlotBusy(time.monotonic() - started, retry_after=self._retry_after(bound))
+                with self._cond:
+                    self._cond.wait(min(remaining, POLL))
+        finally:
+            with self._cond:
+                self._queue.remove(me)
+                if counted:
+                    self.waiting -= 1
+                    metrics.WAITERS.dec()
+                self._cond.notify_all()
+
+    def note_use(self, slot: int, at: str) -> None:
+        """Remember when this process last used ``slot``, for least-recently-used placement."""
+        with self._cond:
+            self.used_here[slot] = max(at, self.used_here.get(slot, ""))
+
+    def give_back(self, slot: int) -> None:
+        """Free a leased slot and wake the requests waiting for one."""
+        try:
+            self.lock(slot).release()
+        finally:
+            with self._cond:
+                self._elsewhere.pop(slot, None)
+                self._cond.notify_all()
+
+    @staticmethod
+    def _retry_after(bound: float) -> int:
+        return max(1, int(min(bound, 30)))

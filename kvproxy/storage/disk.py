@@ -1,0 +1,325 @@
+"""The slot folder's disk side: checked saves, quarantine, the start-up sweep, the disk budget.
+
+llama-server overwrites a slot file in place and reports what it wrote, without
+fsync; a full disk can leave a short file behind a success answer. So a save
+goes to a temporary name first, its size on disk is compared with
+llama-server's count, and only then is it renamed over the session's file. A
+file whose size does not match its sidecar is moved to ``quarantine/`` instead
+of being restored. Which files to evict is decided by a pure function,
+``plan_eviction``; ``DiskBudget`` carries it out.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+
+from kvproxy.ops import metrics
+from kvproxy.upstream.llama import LlamaClient, UpstreamError
+from kvproxy.storage.store import (PROBE_PREFIX, QUARANTINE_DIR, SIDECAR_FORMAT, TEMP_SUFFIX, SessionStore,
+                    StorageError, now_iso, read_json, write_json_atomic, write_json_beside)
+
+log = logging.getLogger("kvproxy.disk")
+
+GB = 1024**3
+MB = 1024**2
+
+
+# -- one save ----------------------------------------------------------------
+def temp_path(store: SessionStore, stem: str) -> Path:
+    """Where llama-server writes a save before it is checked (a name its filename check accepts)."""
+    return store.root / f"{stem}{TEMP_SUFFIX}"
+
+
+def discard(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("could not remove %s: %s", path.name, exc)
+
+
+def checked_save(client: LlamaClient, slot_id: int, store: SessionStore, stem: str,
+                 describe: Callable[[dict, int], dict]) -> dict | None:
+    """Have llama-server save the slot under a temporary name, check it, then put it and its
+    sidecar (``describe(answer, size)``) in place. Returns the sidecar, or None when the slot
+    is empty (an empty save never replaces a file). A save that llama-server or the folder
+    cannot complete raises StorageError with the old file and sidecar untouched."""
+    tmp = temp_path(store, stem)
+    try:
+        if tmp.is_file() or tmp.is_symlink():  # left by an interrupted save
+            tmp.unlink()
+        answer = client.slot_action(slot_id, "save", tmp.name)
+    except (UpstreamError, OSError) as exc:
+        discard(tmp)
+        reason = exc.message if isinstance(exc, UpstreamError) else exc
+        raise StorageError(f"could not save {stem}.bin: {reason}; the previous file is kept") from exc
+    if not answer.get("n_saved"):
+        discard(tmp)
+        return None
+    sidecar = describe(answer, checked_size(store, stem, answer))
+    install(store, stem, sidecar)
+    return sidecar
+
+
+def checked_size(store: SessionStore, stem: str, answer: dict) -> int:
+    """The size of the temporary file when it matches llama-server's count, else StorageError."""
+    tmp = temp_path(store, stem)
+    try:
+        size = tmp.stat().st_size
+    except FileNotFoundError:
+        raise StorageError(f"llama-server reported saving {tmp.name}, but it is not in the slot "
+                           f"folder {store.root}: KVPROXY_SLOT_DIR must be the folder of "
+                           f"llama-server's --slot-save-path") from None
+    written = answer.get("n_written")
+    if not isinstance(written, int) or written <= 0 or size != written:
+        discard(tmp)
+        raise StorageError(f"the save of {stem}.bin is incomplete (llama-server wrote {written} "
+                           f"bytes, the file has {size}); the previous file is kept")
+    return size
+
+
+def install(store: SessionStore, stem: str, sidecar: dict) -> None:
+    """Rename the checked save over ``<stem>.bin`` and its new sidecar over the old one.
+    Everything that needs disk space happens before the first rename."""
+    tmp = temp_path(store, stem)
+    try:
+        tmp_sidecar = write_json_beside(store.sidecar_path(stem), sidecar)
+    except OSError as exc:
+        discard(tmp)
+        raise StorageError(f"cannot write the sidecar of {stem}.bin: {exc.strerror or exc}; "
+                           f"the previous file is kept") from exc
+    try:
+        os.replace(tmp, store.bin_path(stem))
+    except OSError as exc:
+        discard(tmp)
+        discard(tmp_sidecar)
+        raise StorageError(f"cannot rename the save of {stem}.bin in the slot folder: "
+                           f"{exc.strerror or exc}") from exc
+    try:
+        os.replace(tmp_sidecar, store.sidecar_path(stem))
+    except OSError as exc:  # the new file stays; its size check will set it aside
+        discard(tmp_sidecar)
+        raise StorageError(f"cannot rename the sidecar of {stem}.bin: {exc.strerror or exc}") from exc
+
+
+def size_problem(store: SessionStore, stem: str, sidecar: dict) -> str | None:
+    """Why ``<stem>.bin`` does not match its sidecar, or None when it does."""
+    expected = sidecar.get("saved_bytes")
+    if not expected:
+        return "its sidecar records no size"
+    actual = store.bin_bytes(stem)
+    if actual != expected:
+        return f"it has {actual} bytes, its sidecar says {expected}"
+    return None
+
+
+def quarantine(store: SessionStore, stem: str, reason: str) -> Path:
+    """Move ``<stem>.bin`` to ``quarantine/`` with its sidecar (and the reason); the session
+    starts fresh. Nothing is deleted: the folder's disk bound evicts quarantined files first."""
+    folder = store.root / QUARANTINE_DIR
+    folder.mkdir(exist_ok=True)
+    tag = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+    target = folder / f"{stem}.{tag}.bin"
+    os.replace(store.bin_path(stem), target)
+    sidecar = read_json(store.sidecar_path(stem)) or {"stem": stem}
+    sidecar.update(quarantined_at=now_iso(), quarantine_reason=reason)
+    write_json_atomic(folder / f"{stem}.{tag}.json", sidecar)
+    store.sidecar_path(stem).unlink(missing_ok=True)
+    return target
+
+
+def set_aside(store: SessionStore, stem: str, reason: str) -> str:
+    """Quarantine a file that will not be restored; says where it went, for the log."""
+    try:
+        quarantine(store, stem, reason)
+    except OSError as exc:
+        return f"it could not be moved aside ({exc})"
+    return f"moved to {QUARANTINE_DIR}/"
+
+
+# -- start-up sweep ----------------------------------------------------------
+def is_leftover(name: str) -> bool:
+    """A temporary file of an interrupted save, probe or sidecar write."""
+    return (name.endswith(TEMP_SUFFIX) or (name.startswith(PROBE_PREFIX) and name.endswith(".bin"))
+            or (name.startswith(".") and name.endswith(".tmp")))
+
+
+def sweep(store: SessionStore) -> list[str]:
+    """Clean what a crash or a foreign writer left in the slot folder; one line per action.
+
+    Run with the slot locked. Leftover temporary files are deleted; a ``.bin``
+    without a sidecar saying what made it, or whose size does not match, goes to
+    quarantine; a sidecar whose slot file is gone is deleted (a sidecar that
+    never had a file only counts a session's requests, and stays).
+    """
+    done = []
+    for path in sorted(store.root.iterdir()):
+        if path.is_file() and is_leftover(path.name):
+            discard(path)
+            done.append(f"deleted leftover temporary file {path.name}")
+    for path in sorted(store.root.glob("*.bin")):
+        stem = path.stem
+        raw = read_json(store.sidecar_path(stem)) or {}
+        if isinstance(raw.get("format"), int) and raw["format"] > SIDECAR_FORMAT:
+            continue  # written by a newer kvproxy: not ours to judge
+        sidecar = store.read_sidecar(stem)
+        if not sidecar or not sidecar.get("saved_at"):
+            reason = "no sidecar says what made it"
+        else:
+            reason = size_problem(store, stem, sidecar)
+        if reason:
+            quarantine(store, stem, reason)
+            done.append(f"moved {path.name} to {QUARANTINE_DIR}/: {reason}")
+    for sidecar in store.sidecars():
+        stem = sidecar["stem"]
+        if sidecar.get("saved_at") and not store.has_bin(stem):
+            store.sidecar_path(stem).unlink(missing_ok=True)
+            done.append(f"deleted {stem}.json: its slot file is gone")
+    return done
+
+
+# -- the disk budget ---------------------------------------------------------
+@dataclass(frozen=True)
+class Entry:
+    """A file that takes room in the slot folder and may be evicted."""
+
+    path: Path
+    size: int
+    used: str          # last use (ISO time): oldest goes first
+    stem: str | None   # a session or base snapshot (file and sidecar go together)
+    loose: bool        # quarantined, orphaned or left over: goes before any session
+
+
+def plan_eviction(entries: list[Entry], *, total: int, incoming: int, replacing: int,
+                  free: int | None, max_bytes: int, min_free: int) -> tuple[list[Entry], bool]:
+    """What to delete so a save of about ``incoming`` bytes fits; returns ``(victims, fits)``.
+
+    ``total`` is what the folder holds now, ``replacing`` the size of the file
+    the save will replace, ``free`` the free bytes of its filesystem (None:
+    unknown). Loose files go first, then the least recently used sessions. The
+    folder bound (``max_bytes``, 0: none) is kept as far as eviction can; the
+    free-space reserve (``min_free``) is a hard limit: when even evicting
+    everything allowed cannot keep it, nothing is deleted and ``fits`` is False.
+    """
+    order = sorted(entries, key=lambda e: (not e.loose, e.used))
+    if free is not None and free + sum(e.size for e in order) - incoming < min_free:
+        return [], False
+    victims = []
+    for entry in order:
+        over_bound = bool(max_bytes) and total + incoming - replacing > max_bytes
+        short = free is not None and free - incoming < min_free
+        if not (over_bound or short):
+            break
+        victims.append(entry)
+        total -= entry.size
+        if free is not None:
+            free += entry.size
+    return victims, True
+
+
+class DiskBudget:
+    """Keeps the slot folder within ``max_bytes`` and its filesystem ``min_free`` bytes free."""
+
+    def __init__(self, store: SessionStore, max_bytes: int = 0, min_free: int = 0):
+        self.store = store
+        self.max_bytes = max_bytes
+        self.min_free = min_free
+
+    def free_bytes(self) -> int | None:
+        try:
+            return shutil.disk_usage(self.store.root).free
+        except OSError:
+            return None
+
+    def entries(self, keep: set[str], sidecars: list[dict] | None = None
+                ) -> tuple[list[Entry], int]:
+        """Evictable files, and the bytes of every file in the folder (kept ones included)."""
+        sidecars = self.store.sidecars() if sidecars is None else sidecars
+        saved = {s["stem"]: s for s in sidecars if s.get("saved_at")}
+        found, total = [], 0
+        paths = list(self.store.root.glob("*.bin"))
+        quarantined = self.store.root / QUARANTINE_DIR
+        if quarantined.is_dir():
+            paths += [p for p in quarantined.iterdir() if p.suffix == ".bin"]
+        for path in paths:
+            try:
+                stat = path.stat()
+            except OSError:
+                continue
+            total += stat.st_size
+            sidecar = saved.get(path.stem) if path.parent == self.store.root else None
+            if sidecar and not is_leftover(path.name):
+                if path.stem in keep:
+                    continue
+                used = sidecar.get("last_used_at") or sidecar.get("saved_at") or ""
+                found.append(Entry(path, stat.st_size, used, path.stem, loose=False))
+            else:
+                used = datetime.fromtimestamp(stat.st_mtime, timezone.utc).isoformat()
+                found.append(Entry(path, stat.st_size, used, None, loose=True))
+        return found, total
+
+    def estimate(self, stem: str, tokens: int, made_by: dict | None,
+                 sidecars: list[dict] | None = None) -> int:
+        """Bytes a save of ``tokens`` will take: bytes per token of this session's last
+        save, else the largest seen for the same model, else unknown (0)."""
+        if tokens <= 0:
+            return 0
+        ratios: list[float] = []
+        for sidecar in self.store.sidecars() if sidecars is None else sidecars:
+            n_tokens, n_bytes = sidecar.get("n_tokens"), sidecar.get("saved_bytes")
+            if not (isinstance(n_tokens, int) and n_tokens > 0 and isinstance(n_bytes, int)):
+                continue
+            if sidecar["stem"] == stem:
+                return int(tokens * n_bytes / n_tokens)
+            if made_by is None or sidecar.get("made_by") == made_by:
+                ratios.append(n_bytes / n_tokens)
+        return int(tokens * max(ratios)) if ratios else 0
+
+    def make_room(self, stem: str, tokens: int, made_by: dict | None, keep: set[str]) -> int:
+        """Before a save of ``tokens``: evict so it fits, or raise StorageError and delete
+        nothing. One scan of the sidecars serves the estimate and the plan; returns the
+        estimate."""
+        sidecars = self.store.sidecars()
+        incoming = self.estimate(stem, tokens, made_by, sidecars)
+        if not self.max_bytes and not self.min_free and not incoming:
+            return incoming
+        entries, total = self.entries(keep, sidecars)
+        free = self.free_bytes()
+        victims, fits = plan_eviction(entries, total=total, incoming=incoming,
+                                      replacing=self.store.bin_bytes(stem), free=free,
+                                      max_bytes=self.max_bytes, min_free=self.min_free)
+        if not fits:
+            raise StorageError(
+                f"no room to save {stem}.bin: {free / MB:.0f} MB free on the slot folder's disk, "
+                f"the save needs about {incoming / MB:.0f} MB and KVPROXY_MIN_FREE_GB keeps "
+                f"{self.min_free / GB:g} GB free")
+        self._delete(victims, "to make room for a save")
+        return incoming
+
+    def trim(self, keep: set[str]) -> None:
+        """After a save: back within the folder bound if the estimate was short."""
+        if not self.max_bytes:
+            return
+        entries, total = self.entries(keep)
+        victims, _ = plan_eviction(entries, total=total, incoming=0, replacing=0, free=None,
+                                   max_bytes=self.max_bytes, min_free=0)
+        self._delete(victims, "the slot folder is over its bound")
+
+    def _delete(self, victims: list[Entry], why: str) -> None:
+        for entry in victims:
+            try:
+                if entry.stem:
+                    self.store.delete(entry.stem)
+                else:
+                    entry.path.unlink(missing_ok=True)
+                    if entry.path.parent != self.store.root:  # a quarantined file's sidecar
+                        entry.path.with_suffix(".json").unlink(missing_ok=True)
+            except OSError as exc:
+                log.warning("could not evict %s: %s", entry.path.name, exc)
+                continue
+            log.info("evicted %s (%d bytes): %s", entry.path.name, entry.size, why)
+            metrics.observe_eviction(entry.size)

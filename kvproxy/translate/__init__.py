@@ -1,0 +1,1 @@
+"""Pure translations between client wire formats and llama-server's bodies."""

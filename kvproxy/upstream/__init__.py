@@ -1,0 +1,1 @@
+"""Talking to llama-server: the HTTP client and the GGUF header reader."""

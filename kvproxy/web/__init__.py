@@ -1,0 +1,1 @@
+"""Flask only: the API blueprints, the relay that streams answers, error rendering."""

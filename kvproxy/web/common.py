@@ -1,0 +1,214 @@
+"""What every dialect does the same way: read the body, run the call, map failures."""
+from __future__ import annotations
+
+import logging
+import select
+import socket
+from typing import Any, Callable, Iterable, Iterator
+
+from flask import Response, current_app, request
+
+from kvproxy.upstream.llama import UpstreamError, UpstreamUnavailable
+from kvproxy.web.relay import ChatCall, Relay, ShuttingDown
+from kvproxy.slots.lock import SlotUnavailable
+from kvproxy.storage.store import StorageError
+from kvproxy.translate import strict_json
+
+log = logging.getLogger("kvproxy.dialects")
+
+Failure = tuple[int, str, dict]
+
+
+class BadRequest(ValueError):
+    """The client's request cannot be served as sent."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def relay() -> Relay:
+    return current_app.extensions["kvproxy.relay"]
+
+
+def json_body() -> dict:
+    """The request's JSON object, or BadRequest with a message a person can act on."""
+    try:
+        data = strict_json.parse(request.get_data(cache=True))
+    except strict_json.Refused as exc:
+        raise BadRequest(str(exc)) from None
+    if not isinstance(data, dict):
+        raise BadRequest("request body must be a JSON object")
+    return data
+
+
+def failure(exc: Exception) -> Failure:
+    """Status, message and extra headers for an exception on the way to llama-server."""
+    if isinstance(exc, BadRequest):
+        return exc.status, exc.message, {}
+    if isinstance(exc, SlotUnavailable):
+        return exc.status, str(exc), {"Retry-After": str(exc.retry_after)}
+    if isinstance(exc, StorageError):
+        return 503, f"kvproxy cannot use its slot folder: {exc}", {"Retry-After": str(exc.retry_after)}
+    if isinstance(exc, UpstreamUnavailable):
+        return 502, f"{exc}; check that llama-server is running and KVPROXY_UPSTREAM points at it", {}
+    if isinstance(exc, UpstreamError):
+        return exc.status, f"llama-server: {exc.message}", {}
+    if isinstance(exc, ShuttingDown):
+        return 503, str(exc), {"Retry-After": "5"}
+    raise exc
+
+
+HANDLED = (BadRequest, SlotUnavailable, StorageError, UpstreamUnavailable, UpstreamError,
+           ShuttingDown)
+CLOSERS = "kvproxy.slot_closers"
+
+
+def hold_slot_until_closed(close: Callable[[], None]) -> None:
+    """Free the slot when the server closes this request's response, whatever it is.
+
+    ``FreeHeldSlots`` runs the closers when the server closes the response it
+    finally sent: the stream or answer itself, or an error page that replaced
+    it (a failing hook, a failing error handler), or when the app raised.
+    """
+    request.environ.setdefault(CLOSERS, []).append(close)
+
+
+def free_held_slot() -> None:
+    """Free the slot this request holds now (its response was replaced by an error page)."""
+    run_closers(request.environ)
+
+
+def run_closers(environ: dict) -> None:
+    """Run each closer once; one that fails does not stop the others."""
+    closers = environ.get(CLOSERS) or []
+    while closers:
+        close = closers.pop(0)
+        try:
+            close()
+        except Exception:  # noqa: BLE001 - the other closers must still run
+            log.exception("freeing the slot failed")
+
+
+class FreeHeldSlots:
+    """WSGI middleware: the one place that guarantees a request's slot is freed.
+
+    Whatever happens between taking the slot and the end of the reply, the
+    server closes what the app returned (or the app raised): either way the
+    request's closers run, and each is idempotent.
+    """
+
+    def __init__(self, app: Callable) -> None:
+        self.app = app
+
+    def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
+        try:
+            body = self.app(environ, start_response)
+        except BaseException:
+            run_closers(environ)
+            raise
+        return _ClosingBody(body, environ)
+
+
+class _ClosingBody:
+    """The app's response iterable, with the request's closers run after its own close."""
+
+    def __init__(self, body: Iterable[bytes], environ: dict) -> None:
+        self._body = body
+        self._iter = iter(body)
+        self._environ = environ
+
+    def __iter__(self) -> "_ClosingBody":
+        return self
+
+    def __next__(self) -> bytes:
+        return next(self._iter)
+
+    def close(self) -> None:
+        try:
+            close = getattr(self._body, "close", None)
+            if close is not None:
+                close()
+        finally:
+            run_closers(self._environ)
+
+
+def client_still_there() -> Callable[[], bool]:
+    """A check whether the client is still connected (gunicorn gives the socket).
+
+    A closed connection is readable and reads as end of file; one still open
+    is not readable, or has the start of a next request waiting. Without the
+    socket (other servers, tests) the client counts as there.
+    """
+    sock = request.environ.get("gunicorn.socket")
+    if sock is None:
+        return lambda: True
+
+    def check() -> bool:
+        try:
+            poller = select.poll()  # poll, not select: any descriptor number
+            poller.register(sock, select.POLLIN)
+            if not poller.poll(0):
+                return True
+            return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        except BlockingIOError:
+            return True
+        except OSError:  # reset, or already closed
+            return False
+    return check
+
+
+def serve_chat(call: ChatCall, *, stream: bool,
+               render_full: Callable[[dict], Any],
+               render_stream: Callable[[Iterable[tuple[bytes, dict | None]]], Iterator[bytes]],
+               render_error: Callable[[int, str, dict], Response],
+               render_stream_error: Callable[[int, str], bytes],
+               mimetype: str) -> Response:
+    """Run ``call`` and answer in the dialect's format, streamed or whole.
+
+    Either kind holds the slot until the server closes the response: a whole
+    answer once it is sent (its bookkeeping then runs off the client's wait),
+    a stream after its last byte or when the client goes away, which also
+    closes the upstream request.
+    """
+    if call.still_wanted is None:
+        call.still_wanted = client_still_there()
+    try:
+        if not stream:
+            answer = relay().complete(call)
+            hold_slot_until_closed(answer.close)
+            try:
+                reply = render_full(answer.result)
+                response = reply if isinstance(reply, Response) else current_app.json.response(reply)
+                response.headers.update(answer.headers)
+            except BaseException:
+                answer.close()
+                raise
+            return response
+        exchange = relay().stream(call)
+        hold_slot_until_closed(exchange.close)
+    except HANDLED as exc:
+        return render_error(*failure(exc))
+
+    def body() -> Iterator[bytes]:
+        try:
+            yield from render_stream(exchange.events())
+        except (UpstreamError, UpstreamUnavailable, ShuttingDown) as exc:
+            status, message, _ = failure(exc)
+            yield render_stream_error(status, message)
+        except Exception:  # a rendering bug must end the stream visibly, not silently
+            log.exception("stream of session %s failed", exchange.lease.session.id)
+            yield render_stream_error(500, "internal error in kvproxy while streaming; see its log")
+        finally:
+            exchange.close()
+
+    try:
+        response = Response(body(), mimetype=mimetype, headers=exchange.headers)
+        response.headers["Cache-Control"] = "no-cache"
+        response.headers["X-Accel-Buffering"] = "no"  # nginx: relay chunks as they come
+    except BaseException:
+        exchange.close()
+        raise
+    response.call_on_close(exchange.close)
+    return response

@@ -1,0 +1,281 @@
+"""Carries one neutral chat request through the slot switch to llama-server.
+
+Dialects (Ollama, OpenAI, Anthropic) translate their wire format into a
+``ChatCall`` whose body is an OpenAI-style llama-server request, and render
+what comes back. The relay picks the session, holds the slot for the whole
+exchange and tells the switch what the answer's timings showed.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping
+
+from kvproxy.sessions import identity
+from kvproxy.config import Settings
+from kvproxy.upstream.llama import LlamaClient, sse_events
+from kvproxy.slots.switch import Lease, SlotSwitch
+from kvproxy.slots.unpinned import protect_other_slots
+
+MODEL_FACTS_TTL = 10.0
+
+
+class ShuttingDown(RuntimeError):
+    """kvproxy is stopping: a stream still running past the grace period ends early,
+    so its slot is freed in time for the session to be saved on the way out."""
+
+
+_stop_at: list[float] = []  # monotonic deadline for running streams, set once at shutdown
+
+
+def begin_shutdown(grace: float) -> None:
+    """Called on SIGTERM (gunicorn.conf.py): streams may run ``grace`` seconds more."""
+    if not _stop_at:
+        _stop_at.append(time.monotonic() + grace)
+
+
+def past_shutdown_grace() -> bool:
+    return bool(_stop_at) and time.monotonic() >= _stop_at[0]
+
+
+@dataclass
+class ChatCall:
+    """One generation request, already in llama-server's OpenAI-style shape."""
+
+    body: dict
+    headers: Mapping[str, str] = field(default_factory=dict)
+    raw: Mapping[str, Any] = field(default_factory=dict)
+    path: str = "/v1/chat/completions"
+    side: bool = False  # force a side request (never saved), e.g. embeddings
+    session: identity.Session | None = None  # a route that names its session itself (infill)
+    # False once the client has gone (checked after waiting for the slot, before a swap).
+    still_wanted: Callable[[], bool] | None = None
+
+    @property
+    def messages(self) -> list[dict]:
+        if "messages" in self.body:
+            return list(self.body.get("messages") or [])
+        prompt = self.body.get("prompt")
+        return [{"role": "user", "content": prompt if isinstance(prompt, str) else ""}]
+
+
+def timings_from_usage(result: Any) -> dict:
+    """``cache_n``/``prompt_n``/``predicted_n`` from a usage object, for answers that carry
+    no ``timings`` (llama-server's whole Responses API answer)."""
+    usage = result.get("usage") if isinstance(result, dict) else None
+    if not isinstance(usage, dict) or "input_tokens" not in usage:
+        return {}
+    details = usage.get("input_tokens_details")
+    cached = int((details or {}).get("cached_tokens") or 0) if isinstance(details, dict) else 0
+    return {"cache_n": cached, "prompt_n": max(int(usage.get("input_tokens") or 0) - cached, 0),
+            "predicted_n": int(usage.get("output_tokens") or 0)}
+
+
+class Answer:
+    """A whole answer that holds the slot until it is closed.
+
+    The server closes it once the reply is sent, so recording what the answer
+    showed (sidecar, state file) does not delay the client.
+    """
+
+    def __init__(self, switch: SlotSwitch, lease: Lease, result: Any):
+        self._switch = switch
+        self.lease = lease
+        self.result = result
+        self.headers = lease.headers()
+        timings = result.get("timings") if isinstance(result, dict) else None
+        self.timings: dict = timings if isinstance(timings, dict) else timings_from_usage(result)
+
+    def close(self) -> None:
+        """Record the answer's timings and free the slot; idempotent."""
+        self._switch.release(self.lease, self.timings)
+
+
+class Exchange:
+    """A streaming answer that holds the slot until it is closed."""
+
+    def __init__(self, switch: SlotSwitch, lease: Lease, response):
+        self._switch = switch
+        self.lease = lease
+        self._response = response
+        self.timings: dict = {}
+        self.headers = lease.headers()
+
+    def events(self) -> Iterator[tuple[bytes, dict | None]]:
+        """Upstream SSE events as ``(raw bytes, parsed)``, as they arrive."""
+        for raw, event in sse_events(self._response):
+            if past_shutdown_grace():
+                raise ShuttingDown("kvproxy is shutting down: the answer was cut short; "
+                                   "send the request again")
+            if isinstance(event, dict) and isinstance(event.get("timings"), dict):
+                self.timings = event["timings"]
+            yield raw, event
+
+    def close(self) -> None:
+        """Close the upstream request (llama-server stops generating) and free the slot."""
+        try:
+            self._response.close()
+        finally:
+            self._switch.release(self.lease, self.timings)
+
+
+class Prompt:
+    """A request's prompt as llama-server tokenizes it, worked out only when the switch asks:
+    for a restore check (after a restore that looks unused) and for a base snapshot."""
+
+    def __init__(self, client: LlamaClient, call: "ChatCall"):
+        self._client = client
+        self._call = call
+        self._templated: str | None = None
+        self._tokens: list[int] | None = None
+
+    def _chat_body(self, messages: list[dict], generation_prompt: bool) -> dict:
+        body = {k: v for k, v in self._call.body.items()
+                if k in ("tools", "tool_choice", "chat_template_kwargs", "reasoning_format")}
+        return {**body, "messages": messages, "add_generation_prompt": generation_prompt}
+
+    def templated(self) -> str:
+        if self._templated is None:
+            if "messages" in self._call.body:
+                self._templated = self._client.apply_template(
+                    self._chat_body(self._call.messages, True))
+            else:
+                prompt = self._call.body.get("prompt")
+                self._templated = prompt if isinstance(prompt, str) else ""
+        return self._templated
+
+    def tokens(self) -> list[int]:
+        if self._tokens is None:
+            self._tokens = self._client.tokenize(self.templated(), add_special=True)
+        return self._tokens
+
+    def system_tokens(self, min_tokens: int = 0) -> list[int] | None:
+        """The leading tokens of the templated system prompt alone, shared with the full prompt.
+
+        The system messages are templated on their own; the part of that text the
+        full prompt starts with is tokenized, and only tokens the full prompt's
+        tokenization also starts with are kept (token boundaries can differ at
+        the cut).
+        """
+        messages = self._call.messages
+        system = []
+        for message in messages:
+            if not isinstance(message, dict) or message.get("role") not in ("system", "developer"):
+                break
+            system.append(message)
+        if not system or len(system) == len(messages) or "messages" not in self._call.body:
+            return None
+        if len(json.dumps([m.get("content") for m in system])) < min_tokens:
+            return None  # too short to be worth a snapshot: spare the template and tokenizer
+        alone = self._client.apply_template(self._chat_body(system, False))
+        full = self.templated()
+        shared = full[:next((i for i, (a, b) in enumerate(zip(alone, full)) if a != b),
+                            min(len(alone), len(full)))]
+        if not shared:
+            return None
+        head = self._client.tokenize(shared, add_special=True)
+        whole = self.tokens()
+        n = 0
+        for a, b in zip(head, whole):
+            if a != b:
+                break
+            n += 1
+        return whole[:n] or None
+
+
+def pinned(body: Any, slot: int) -> Any:
+    """A JSON object body with ``id_slot`` set to the leased slot (other bodies as they are)."""
+    return {**body, "id_slot": slot} if isinstance(body, dict) else body
+
+
+class Relay:
+    """The path from a dialect to llama-server."""
+
+    def __init__(self, settings: Settings, client: LlamaClient, switch: SlotSwitch):
+        self.settings = settings
+        self.client = client
+        self.switch = switch
+        self._facts: tuple[float, dict] | None = None
+        self._facts_lock = threading.Lock()
+
+    def session_for(self, call: ChatCall, stream: bool) -> identity.Session:
+        if call.side:
+            return identity.Session(identity.SIDE_SESSION, "side-request", persistent=False)
+        if call.session is not None:
+            return call.session
+        return identity.resolve(
+            call.headers, call.raw, call.messages, stream=stream,
+            header_names=self.settings.session_headers,
+            anonymous=self.settings.anonymous_sessions,
+            side_pattern=self.settings.side_request_pattern)
+
+    @staticmethod
+    def _upstream_body(call: ChatCall, stream: bool, lease: Lease) -> dict:
+        """The body as sent: pinned to the leased slot, so llama-server never picks another."""
+        return {**call.body, "stream": stream, "cache_prompt": True, "id_slot": lease.slot}
+
+    def _acquire(self, call: ChatCall, stream: bool) -> Lease:
+        return self.switch.acquire(self.session_for(call, stream=stream),
+                                   still_wanted=call.still_wanted, prompt=Prompt(self.client, call))
+
+    def stream(self, call: ChatCall) -> Exchange:
+        """Take the slot and open a streaming request; the caller must close the exchange.
+
+        Everything between taking the slot and handing back the exchange
+        (opening the request, building the reply headers) frees the slot if it fails.
+        """
+        lease = self._acquire(call, True)
+        response = None
+        try:
+            response = self.client.post_stream(call.path, self._upstream_body(call, True, lease))
+            return Exchange(self.switch, lease, response)
+        except BaseException:
+            try:
+                if response is not None:
+                    response.close()
+            finally:
+                self.switch.release(lease)
+            raise
+
+    def complete(self, call: ChatCall) -> Answer:
+        """Take the slot for one non-streaming request; the caller must close the answer."""
+        lease = self._acquire(call, False)
+        try:
+            result = self.client.post_json(call.path, self._upstream_body(call, False, lease))
+            return Answer(self.switch, lease, result)
+        except BaseException:
+            self.switch.release(lease)
+            raise
+
+    def side_call(self, path: str, body: dict) -> dict:
+        """A request that uses the slot but belongs to no conversation (embeddings).
+        llama-server ignores its ``id_slot``: the other slots are protected (``unpinned``)."""
+        lease = self.switch.acquire(identity.Session(identity.SIDE_SESSION, "side-request",
+                                                     persistent=False))
+        try:
+            with protect_other_slots(self.switch, lease):
+                return self.client.post_json(path, pinned(body, lease.slot))
+        finally:
+            self.switch.release(lease)
+
+    def model_facts(self) -> dict:
+        """llama-server's /props and /v1/models, cached briefly, plus the served name."""
+        with self._facts_lock:
+            if self._facts and time.monotonic() - self._facts[0] < MODEL_FACTS_TTL:
+                return self._facts[1]
+            props = self.client.props()
+            models = self.client.models()
+            entry = (models.get("data") or [{}])[0]
+            upstream_id = entry.get("id") or props.get("model_alias") or "model"
+            name = self.settings.model_name or upstream_id.rsplit("/", 1)[-1].removesuffix(".gguf")
+            facts = {"props": props, "model": entry, "upstream_id": upstream_id, "name": name,
+                     "listing": models}
+            self._facts = (time.monotonic(), facts)
+            return facts
+
+    def count_tokens(self, body: dict) -> int:
+        """Tokens of the templated prompt, counted by llama-server's own tokenizer."""
+        prompt = self.client.apply_template(body)
+        return len(self.client.tokenize(prompt))
