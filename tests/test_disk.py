@@ -50,7 +50,7 @@ def test_a_failed_save_keeps_the_old_file_and_the_state(tmp_path, fake, fault):
     assert (tmp_path / f"{A.stem}.bin").read_bytes() == good
     assert not list(tmp_path.glob("*.saving.bin")), "the temporary file is removed"
     assert state_names(tmp_path) == "A" and fake.tokens == 40, "the slot still holds A, as the state says"
-    assert not switch._thread_lock.locked()
+    assert not switch.lock.thread_lock.locked()
     fake.save_fault = None
     assert turn(switch, B, fake).cache == RESTORED
 
@@ -108,7 +108,7 @@ def test_a_sidecar_that_cannot_be_written_keeps_file_and_sidecar_together(tmp_pa
     assert SessionStore(tmp_path).read_sidecar(A.stem)["saved_bytes"] == len(good)
     turn(switch, A, fake, tokens=40)    # the slot still holds A: a hit
     fake.tokens = 0
-    switch._erase(0)                      # llama-server lost it: A comes back from its file
+    switch.executor.erase(0)              # llama-server lost it: A comes back from its file
     SessionStore(tmp_path).write_state({})
     assert turn(switch, A, fake).cache == RESTORED
 
@@ -119,8 +119,8 @@ def test_an_empty_slot_never_replaces_a_saved_file(tmp_path, fake):
     turn(switch, B, fake)
     good = (tmp_path / f"{A.stem}.bin").read_bytes()
     fake.tokens = 0
-    assert switch._save("A", A.stem, switch.current_made_by(), "session", None, slot=0,
-                        tokens=12) is None
+    assert switch.executor.save("A", A.stem, switch.current_made_by(), "session", None,
+                                slot=0, tokens=12) is None
     assert (tmp_path / f"{A.stem}.bin").read_bytes() == good
 
 
@@ -136,7 +136,7 @@ def test_the_state_never_names_a_session_the_slot_does_not_hold(tmp_path, fake, 
             entry = data["slots"]["0"]
             state_writes.append(entry.get("active"))
             # The claim (B, unproven) goes through; the write saying B is in the slot fails.
-            if entry.get("active") == "B" and not entry.get("slot_unknown"):
+            if entry.get("active") == "B" and entry.get("phase") == "ours":
                 raise OSError(errno.ENOSPC, "No space left on device")
         return real_write(path, data)
 

@@ -74,7 +74,7 @@ CASES = [(api, field, name) for api, fields in FIELDS.items() for field in field
 
 def assert_slot_free(app, client) -> None:
     switch = app.extensions["kvproxy.switch"]
-    assert not switch._thread_lock.locked(), "the slot is still held"
+    assert not switch.lock.thread_lock.locked(), "the slot is still held"
     again = client.post("/v1/chat/completions", json={"messages": USER})
     assert again.status_code == 200
 

@@ -11,7 +11,8 @@ import responses
 from kvproxy import create_app
 from kvproxy.sessions.identity import Session
 from kvproxy.upstream.llama import LlamaClient
-from kvproxy.storage.store import STATE_FILE, STATE_FORMAT, SessionStore, now_iso
+from kvproxy.slots.state import SlotState
+from kvproxy.storage.store import STATE_FILE, STATE_FORMAT, SessionStore, StateFormatError, now_iso
 from kvproxy.slots.switch import HIT, MISS, RESTORED, ClientGone, SlotBusy, SlotSwitch
 from tests.fake_llama import UPSTREAM, FakeLlama
 from tests.test_switch_records import metric
@@ -218,7 +219,7 @@ def test_a_session_another_process_put_elsewhere_is_followed_there(mock, tmp_pat
     answer(first, A, fake)                 # slot 0
     second = switch_over(tmp_path)
     # The second process decided on slot 1 before it saw A's entry: the claim sends it on.
-    from kvproxy.slots.switch import HeldElsewhere
+    from kvproxy.slots.executor import HeldElsewhere
     with pytest.raises(HeldElsewhere):
         second._swap_to(A, None, 1)
     lease = second.acquire(A)
@@ -321,15 +322,21 @@ def test_the_single_slot_state_file_is_migrated_without_losing_the_active_sessio
     assert SessionStore(tmp_path).read_sidecar(A.stem)["n_tokens"] == 20
 
 
-def test_a_state_file_from_a_newer_kvproxy_trusts_nothing(mock, tmp_path):
+def test_a_state_file_from_a_newer_kvproxy_is_refused_loudly(mock, tmp_path):
+    """Guessing at a newer format could save an unproven slot over a session's file: the
+    swap refuses (a 503 to the client) and saves nothing; start-up stops with one line."""
     fake = fake_with(mock, tmp_path, 1)
     (tmp_path / STATE_FILE).write_text(json.dumps({"format": 99, "slots": {"0": {
         "active": "A", "active_key": A.key, "active_persistent": True, "slot_tokens": 40}}}))
     fake.held[0] = 40
     switch = switch_over(tmp_path)
-    lease = switch.acquire(B)
-    assert lease.cache == MISS and not [a for a, _ in fake.actions if a == "save"]
-    switch.release(lease)
+    with pytest.raises(StateFormatError, match="format 99; this one reads formats 1 to 3"):
+        switch.acquire(B)
+    assert not [a for a, _ in fake.actions if a == "save"]
+    assert not switch.busy(0), "the slot is free again"
+    from kvproxy.ops.startup import ContractError, sweep_slot_folder
+    with pytest.raises(ContractError, match="written by a newer kvproxy"):
+        sweep_slot_folder(switch, wait=1)
 
 
 def test_clear_takes_one_slot_or_all(mock, tmp_path):
@@ -389,7 +396,7 @@ def test_a_repeated_hit_writes_the_state_table_at_most_once_a_second(mock, tmp_p
     for _ in range(5):
         assert answer(switch, A, fake).cache == HIT
     assert len(writes) <= 1, "the no-swap path wrote the table on every request"
-    monkeypatch.setattr("kvproxy.slots.switch.USED_AT_RESOLUTION_S", 0.0)
+    monkeypatch.setattr("kvproxy.slots.plan.USED_AT_RESOLUTION_S", 0.0)
     answer(switch, A, fake)
     assert len(writes) >= 1 and json.loads((tmp_path / STATE_FILE).read_text())["slots"]["0"]
 
@@ -400,7 +407,7 @@ def test_this_process_s_own_use_orders_the_slots_before_the_table_shows_it():
                  "used_at": "2026-01-01T00:00:02.000+00:00"},
              1: {"active": "B", "active_key": "b", "active_persistent": True,
                  "used_at": "2026-01-01T00:00:03.000+00:00"}}
-    facts = facts_from_table(table, [0, 1], [], {0: "2026-01-01T00:00:04.000+00:00",
+    facts = facts_from_table(typed(table), [0, 1], [], {0: "2026-01-01T00:00:04.000+00:00",
                                                  1: "2026-01-01T00:00:01.000+00:00"})
     assert [f.used_at[17:19] for f in facts] == ["04", "03"]
 
@@ -516,8 +523,8 @@ def test_swaps_are_counted_by_slot_and_kind(mock, tmp_path):
 def test_a_session_being_swapped_in_by_one_process_is_not_claimed_by_another(mock, tmp_path):
     fake_with(mock, tmp_path, 2)
     first, second = switch_over(tmp_path), switch_over(tmp_path)
-    first._claim(0, A)                       # first is restoring A into slot 0 right now
-    from kvproxy.slots.switch import HeldElsewhere
+    first.executor.claim(0, A, [0, 1])  # first is restoring A into slot 0 right now
+    from kvproxy.slots.executor import HeldElsewhere
     with pytest.raises(HeldElsewhere):
         second._swap_to(A, None, 1)
     assert SessionStore(tmp_path).read_table()[0]["active_key"] == A.key
@@ -530,7 +537,7 @@ def test_a_slot_being_filled_is_listed_with_its_session_unproven(mock, tmp_path)
     fake_with(mock, tmp_path, 2)
     first, second = switch_over(tmp_path), switch_over(tmp_path)
     before = now_iso()
-    first._claim(1, A)                       # first is restoring A into slot 1 right now
+    first.executor.claim(1, A, [0, 1])  # first is restoring A into slot 1 right now
     row = second.slot_listing()[1]
     assert (row["session_id"], row["persistent"], row["file"]) == ("A", True, f"{A.stem}.bin")
     assert row["tokens"] == 0 and row["unproven"]
@@ -547,7 +554,7 @@ def test_the_file_a_slot_is_being_filled_from_is_not_evicted_by_another_process(
     answer(first, C, fake, tokens=12)        # slot 0: A saved (16 bytes)
     answer(first, Session("D", "test"), fake, tokens=12)        # slot 1: B saved (32)
     SessionStore(tmp_path).update_sidecar(A.stem, {}, last_used_at="2000-01-01T00:00:00+00:00")
-    first._claim(0, A)                       # first is about to restore A into slot 0
+    first.executor.claim(0, A, [0, 1])  # first is about to restore A into slot 0
     answer(second, Session("E", "test"), fake, tokens=12)   # slot 1: saving D needs room
     assert (tmp_path / f"{A.stem}.bin").exists(), "the file being restored"
     assert not (tmp_path / f"{B.stem}.bin").exists()
@@ -642,3 +649,8 @@ def test_a_fresh_chat_that_made_a_base_snapshot_is_not_judged_as_a_restore(mock,
     assert lease.cache == MISS and lease.restored_tokens == 100
     switch.release(lease, {"cache_n": 100, "prompt_n": 10, "predicted_n": 1})
     assert switch.restore_check.entries()[key]["misses"] == 1
+
+
+def typed(table: dict) -> dict:
+    """A state table written as entries of the state file, as typed slot states."""
+    return {slot: SlotState.from_entry(entry) for slot, entry in table.items()}

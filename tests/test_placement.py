@@ -1,6 +1,7 @@
 """Where a request runs with several slots: the pure placement decision, table-driven."""
 import pytest
 
+from kvproxy.slots.state import SlotState
 from kvproxy.slots.placement import (EVICT, FREE, HOLDER, WAIT, Placement, SlotFacts, facts_from_table,
                                place, queue_order)
 
@@ -39,10 +40,10 @@ def slots(*specs):
     (("A", "-", "-"), "C", False, Placement(FREE, 1)),
     # no free slot: the least recently used idle one, saved first
     ((("A", "2026-01-01T00:00:09"), ("B", "2026-01-01T00:00:01"), "C"), "D", False,
-     Placement(EVICT, 1, save_first=True)),
-    (("A", "B*"), "C", False, Placement(EVICT, 0, save_first=True)),
+     Placement(EVICT, 1)),
+    (("A", "B*"), "C", False, Placement(EVICT, 0)),
     # busy slots are never chosen, however old
-    ((("A*", "2000-01-01T00:00:00"), "B"), "C", False, Placement(EVICT, 1, save_first=True)),
+    ((("A*", "2000-01-01T00:00:00"), "B"), "C", False, Placement(EVICT, 1)),
     # all busy: wait
     (("A*", "B*"), "C", False, Placement(WAIT)),
     (("-*",), "C", False, Placement(WAIT)),
@@ -50,13 +51,13 @@ def slots(*specs):
     (("A*", "-"), "side", True, Placement(FREE, 1)),
     (("A", "B", "-"), "side", True, Placement(FREE, 2)),
     # ... else the LRU idle slot, whose conversation is saved first
-    (("A*", "B"), "side", True, Placement(EVICT, 1, save_first=True)),
+    (("A*", "B"), "side", True, Placement(EVICT, 1)),
     (("A*", "B*"), "side", True, Placement(WAIT)),
     # a side request is not bound to the slot another side request left (runs in parallel)
     (("side*", "-"), "side", True, Placement(FREE, 1)),
     # one slot behaves as kvproxy always did
     (("A",), "A", False, Placement(HOLDER, 0)),
-    (("A",), "B", False, Placement(EVICT, 0, save_first=True)),
+    (("A",), "B", False, Placement(EVICT, 0)),
     (("A*",), "B", False, Placement(WAIT)),
     (("-",), "B", False, Placement(FREE, 0)),
 ])
@@ -68,7 +69,7 @@ def test_waiters_are_served_first_come_first_served():
     view = slots("A*", "-", "B")
     waiting = [("C", False), ("D", False), ("E", False)]
     assert queue_order(view, waiting, 0) == Placement(FREE, 1)
-    assert queue_order(view, waiting, 1) == Placement(EVICT, 2, save_first=True)
+    assert queue_order(view, waiting, 1) == Placement(EVICT, 2)
     assert queue_order(view, waiting, 2) == Placement(WAIT)
 
 
@@ -84,7 +85,7 @@ def test_facts_from_the_state_table():
                  "used_at": "t1"},
              1: {"active": "default", "active_key": "default", "active_persistent": False},
              3: {"active": "Z", "active_key": "kZ", "active_persistent": True}}
-    facts = facts_from_table(table, [0, 1, 2], busy={1})
+    facts = facts_from_table(typed(table), [0, 1, 2], busy={1})
     assert facts == [SlotFacts(0, "kA", True, "t1", False),
                      SlotFacts(1, "default", False, "", True),
                      SlotFacts(2, None, False, "", False)]  # slot 3 is not driven
@@ -107,10 +108,16 @@ def test_an_entry_without_a_use_time_is_ordered_by_when_it_was_filled():
                  "updated_at": "2026-01-02T00:00:00"},
              1: {"active": "B", "active_key": "kB", "active_persistent": True,
                  "updated_at": "2026-01-01T00:00:00"}}
-    assert place(facts_from_table(table, [0, 1], busy=()), "kC") == \
-        Placement(EVICT, 1, save_first=True)
+    assert place(facts_from_table(typed(table), [0, 1], busy=()), "kC") == \
+        Placement(EVICT, 1)
 
 
 def test_an_entry_naming_no_active_session_holds_nothing():
-    facts = facts_from_table({0: {"active_key": "kA", "active_persistent": True}}, [0], busy=())
+    facts = facts_from_table(typed({0: {"active_key": "kA", "active_persistent": True}}), [0],
+                            busy=())
     assert facts == [SlotFacts(0, None, False, "", False)]
+
+
+def typed(table: dict) -> dict:
+    """A state table written as entries of the state file, as typed slot states."""
+    return {slot: SlotState.from_entry(entry) for slot, entry in table.items()}

@@ -14,8 +14,9 @@ from kvproxy import create_app
 from kvproxy.sessions.identity import Session
 from kvproxy.upstream.llama import LlamaClient
 from kvproxy.slots.restore_check import judge, slot_file_tokens
+from kvproxy.slots.state import SlotTable
 from kvproxy.storage.store import SessionStore
-from kvproxy.slots.plan import (EMPTY, FOREIGN, OURS, UNKNOWN, SwapPlan, judge_slot, plan_swap,
+from kvproxy.slots.plan import (EMPTY, FOREIGN, OURS, UNKNOWN, judge_slot,
                           too_big)
 from kvproxy.slots.switch import HIT, RESTORED, ClientGone, SlotBusy, SlotSwitch, fingerprint_key
 from tests.fake_llama import UPSTREAM, FakeLlama, fake, make_switch  # noqa: F401 - fake is a fixture
@@ -162,19 +163,6 @@ def test_judge_slot():
     assert judge_slot({"id": 0, "id_task": 9, "n_prompt_tokens": 37}, 500) == FOREIGN
 
 
-def test_plan_swap_trusts_only_a_slot_proven_to_hold_the_active_session():
-    state = {"active": "A", "active_key": "A", "active_persistent": True}
-    assert plan_swap(state, "A", OURS) == SwapPlan(hit=True, save_active=False, keep_file=False)
-    assert plan_swap(state, "B", OURS) == SwapPlan(hit=False, save_active=True, keep_file=False)
-    for view in (EMPTY, FOREIGN, UNKNOWN):
-        same = plan_swap(state, "A", view)
-        assert not same.hit and not same.save_active and same.keep_file
-        other = plan_swap(state, "B", view)
-        assert not other.save_active and other.keep_file
-    assert plan_swap(state, "B", OURS).save_active
-    assert not plan_swap({**state, "active_persistent": False}, "B", OURS).save_active
-
-
 def test_a_file_is_too_big_only_past_the_slot_context():
     assert too_big(4096, 4096) is None                         # exactly full still fits
     assert "4097 tokens" in too_big(4097, 4096)
@@ -306,12 +294,12 @@ def test_a_failed_swap_makes_the_slot_untrusted(tmp_path, fake, monkeypatch):
             switch.acquire(A)
     assert fake.actions[-1] == ("restore", f"{A.stem}.bin")
     other_process = make_switch(tmp_path)      # shares the folder, not this process's memory
-    assert other_process.slot_view(SessionStore(tmp_path).read_state(), 0) == UNKNOWN
+    assert other_process.slot_view(SlotTable(SessionStore(tmp_path)).get(0), 0) == UNKNOWN
     since = len(fake.actions)
     lease = turn(switch, B, fake)
     assert lease.cache == RESTORED, "not a hit on what the failed swap left"
     assert fake.actions[since:] == [("restore", f"{B.stem}.bin")], "and nothing saved"
-    assert other_process.slot_view(SessionStore(tmp_path).read_state(), 0) != UNKNOWN
+    assert other_process.slot_view(SlotTable(SessionStore(tmp_path)).get(0), 0) != UNKNOWN
 
 
 def test_an_unexpected_failure_in_a_swap_is_a_503_that_names_it_and_frees_the_slot(
@@ -328,14 +316,14 @@ def test_an_unexpected_failure_in_a_swap_is_a_503_that_names_it_and_frees_the_sl
     assert reply.status_code == 503 and int(reply.headers["Retry-After"]) >= 1
     assert reply.json["error"]["message"] == \
         "the slot could not be prepared (KeyError); see kvproxy's log"
-    assert not switch._thread_lock.locked()
+    assert not switch.lock.thread_lock.locked()
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt()
     monkeypatch.setattr(switch, "current_made_by", interrupted)
     with pytest.raises(KeyboardInterrupt):
         switch.acquire(A)
-    assert not switch._thread_lock.locked()
+    assert not switch.lock.thread_lock.locked()
 
 
 # -- the restore check ------------------------------------------------------------------
@@ -426,7 +414,7 @@ def test_delete_active_session_while_llama_server_is_down(tmp_path, fake):
     assert reply.status_code == 204
     assert not (tmp_path / f"{A.stem}.bin").exists() and not (tmp_path / f"{A.stem}.json").exists()
     assert SessionStore(tmp_path).read_state()["active"] == "default"
-    assert switch.slot_view(SessionStore(tmp_path).read_state(), 0) == UNKNOWN
+    assert switch.slot_view(SlotTable(SessionStore(tmp_path)).get(0), 0) == UNKNOWN
     assert switch.slot_listing()[0]["unproven"], "listed as unproven, for every process"
 
 

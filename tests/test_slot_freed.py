@@ -80,7 +80,7 @@ def inject(step: str, api: str, stream: bool, app, monkeypatch) -> None:
         monkeypatch.setattr(switch.lock._file_lock, "acquire",
                             raiser(OSError(errno.ENOSPC, "No space left on device")))
     elif step == "state-read":
-        monkeypatch.setattr(switch.store, "read_state", raiser(OSError(errno.EIO, "I/O error")))
+        monkeypatch.setattr(switch.store, "read_table", raiser(OSError(errno.EIO, "I/O error")))
     elif step in ("save", "restore", "erase"):
         monkeypatch.setattr(LlamaClient, "slot_action", fail_slot_action(step))
     elif step == "open-upstream":

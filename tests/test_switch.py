@@ -203,10 +203,10 @@ def test_whole_answer_holds_the_slot_until_the_reply_is_closed(tmp_path, fake):
                                    buffered=False)
     assert reply.status_code == 200 and reply.json["choices"]
     stem = file_stem(client_key("held"))
-    assert switch._thread_lock.locked()
+    assert switch.lock.thread_lock.locked()
     assert not (SessionStore(tmp_path).read_sidecar(stem) or {}).get("hits")
     reply.close()
-    assert not switch._thread_lock.locked()
+    assert not switch.lock.thread_lock.locked()
     assert SessionStore(tmp_path).read_sidecar(stem)["hits"] == 1
 
 
@@ -226,6 +226,6 @@ def test_a_failing_hook_after_the_answer_does_not_keep_the_slot(tmp_path, fake):
     body = {"messages": [{"role": "user", "content": "hi"}]}
     reply = client.post("/v1/chat/completions", json=body)
     assert reply.status_code == 500 and reply.json["error"]["code"] == 500
-    assert not switch._thread_lock.locked()
+    assert not switch.lock.thread_lock.locked()
     failing.append(False)
     assert client.post("/v1/chat/completions", json=body).status_code == 200

@@ -5,6 +5,8 @@ import json
 import logging
 import threading
 
+from dataclasses import replace
+
 import pytest
 import requests
 import responses
@@ -12,6 +14,7 @@ import responses
 from kvproxy import create_app
 from kvproxy.sessions.identity import Session
 from kvproxy.slots.plan import save_before_side, side_landed_in
+from kvproxy.slots.state import Phase, SlotState, SlotTable
 from kvproxy.storage.store import SessionStore
 from tests.fake_llama import UPSTREAM, FakeLlama
 
@@ -86,25 +89,25 @@ def stem_of(tmp_path, session):
 
 # -- the decisions -----------------------------------------------------------------------
 def test_only_a_proven_persistent_session_with_unsaved_turns_is_saved_first():
-    held = {"active": "A", "active_persistent": True, "unsaved": True}
+    held = SlotState(Phase.UNSAVED, session_id="A", key="A", persistent=True)
     assert save_before_side(held)
-    assert not save_before_side({**held, "unsaved": False}), "its file already matches"
-    assert not save_before_side({**held, "active_persistent": False}), "a side request"
-    assert not save_before_side({**held, "slot_unknown": True}), "never save an unproven slot"
-    assert not save_before_side({}), "an empty slot"
+    assert not save_before_side(held.to(Phase.OURS)), "its file already matches"
+    assert not save_before_side(replace(held, persistent=False)), "a side request"
+    assert not save_before_side(held.to(Phase.UNPROVEN)), "never save an unproven slot"
+    assert not save_before_side(SlotState()), "an empty slot"
 
 
 def test_a_slot_whose_contents_changed_is_named_and_an_unchanged_one_is_not():
-    table = {0: {"slot_tokens": 12}, 1: {"slot_tokens": 12}, 2: {"slot_tokens": 5,
-                                                                 "slot_unknown": True}}
+    ours = SlotState(Phase.OURS, tokens=12)
+    table = {0: ours, 1: ours, 2: SlotState(Phase.UNPROVEN, tokens=5)}
     listing = [{"id": 0, "id_task": 7, "n_prompt_tokens": 11},     # the slot kept its turns
                {"id": 1, "id_task": 9, "n_prompt_tokens": 3},      # a side task ran there
                {"id": 2, "id_task": 9, "n_prompt_tokens": 3}]
     assert side_landed_in(table, listing, [0, 1, 2]) == [1]
     assert side_landed_in(table, [], [0]) == [0], "a slot /slots does not list is not trusted"
-    unknown_first = {0: {"slot_unknown": True}, 1: {"slot_tokens": 12}}
+    unknown_first = {0: SlotState(Phase.UNPROVEN), 1: ours}
     assert side_landed_in(unknown_first, listing, [0, 1]) == [1], "the unproven slot is skipped"
-    assert side_landed_in({0: {}}, [{"id": 0}], [0]) == [], "an empty slot left empty"
+    assert side_landed_in({0: SlotState()}, [{"id": 0}], [0]) == [], "an empty slot left empty"
     for odd in (None, {"error": "x"}, "slots"):
         assert side_landed_in(table, odd, [0, 1]) == [0, 1], f"/slots answered {odd!r}"
 
@@ -114,15 +117,14 @@ def test_a_slot_records_turns_its_file_lacks_until_a_save_or_a_restore(app, fake
                                                                          tmp_path):
     client = app.test_client()
     chat(client, "A")
-    table = SessionStore(tmp_path).read_table
-    assert table()[slot_of(tmp_path, "A")]["unsaved"] is True
+    table = SlotTable(SessionStore(tmp_path)).read
+    assert table()[slot_of(tmp_path, "A")].phase is Phase.UNSAVED
     chat(client, "side-by-side")                 # the other slot
     chat(client, "C")                            # evicts A (least recently used): saved
     chat(client, "A")                            # restored from its file
-    entry = table()[slot_of(tmp_path, "A")]
-    assert entry["unsaved"] is True, "A ran a turn after the restore"
+    assert table()[slot_of(tmp_path, "A")].phase is Phase.UNSAVED, "A ran a turn after the restore"
     app.extensions["kvproxy.switch"].checkpoint()
-    assert table()[slot_of(tmp_path, "A")]["unsaved"] is False, "saved at shutdown"
+    assert table()[slot_of(tmp_path, "A")].phase is Phase.OURS, "saved at shutdown"
 
 
 # -- side tasks ------------------------------------------------------------------------------
@@ -215,5 +217,5 @@ def test_when_slots_cannot_be_read_after_the_task_every_held_slot_is_unproven(
     fake.slot_entry = after_the_task
     assert client.post("/v1/embeddings", json={"input": "x"}).status_code == 200
     fake.slot_entry = honest
-    assert SessionStore(tmp_path).read_table()[slot_of(tmp_path, "B")]["slot_unknown"] is True
+    assert SlotTable(SessionStore(tmp_path)).get(slot_of(tmp_path, "B")).phase is Phase.UNPROVEN
     assert chat(client, "B").headers["X-KVProxy-Cache"] == "restored"

@@ -166,13 +166,13 @@ class Current(MethodView):
         if slot is None and slots:
             slot = max(slots, key=lambda row: (row["last_used_at"] or row["since"] or "",
                                                -row["id"]))["id"]
-        state = store.read_state(slot) if slot is not None else {}
-        stem = state.get("active_stem")
+        row = next((row for row in slots if row["id"] == slot),
+                   {"session_id": "default", "persistent": False, "file": None})
+        stem = row["file"][:-len(".bin")] if row["file"] else None
         sidecar = store.read_sidecar(stem) if stem else None
         return {"slot": slot, "slots": slots,
-                "session_id": state.get("active") or "default",
-                "persistent": bool(state.get("active_persistent")),
-                "file": f"{stem}.bin" if stem else None,
+                "session_id": row["session_id"], "persistent": row["persistent"],
+                "file": row["file"],
                 "file_exists": bool(stem) and store.has_bin(stem),
                 "file_bytes": store.bin_bytes(stem) if stem else 0,
                 "session": _as_listing(sidecar) if sidecar else None,

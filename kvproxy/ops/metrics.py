@@ -18,6 +18,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvproxy.sessions import identity
+from kvproxy.slots.state import SlotTable
 
 REGISTRY = CollectorRegistry()
 
@@ -142,7 +143,7 @@ class SlotFolderCollector(Collector):
         if store is not None:
             n_bytes, n_files = slot_folder_usage(store.root)
             try:
-                table = store.read_table() or {}
+                table = SlotTable(store).read()
             except Exception:  # a scrape must not fail on a bad state file
                 table = {}
         yield GaugeMetricFamily("kvproxy_slot_dir_bytes",
@@ -153,19 +154,19 @@ class SlotFolderCollector(Collector):
                                    labels=["kind", "persistent"])
         kinds: dict[tuple[str, str], int] = {}
         for state in table.values():
-            if state.get("active"):
+            if state.session_id:
                 # The kind of id, never the id: ids can be e-mail addresses (OpenAI's ``user``).
-                kind = identity.kind_of_key(state.get("active_key") or state["active"])
-                label = (kind, "true" if state.get("active_persistent") else "false")
+                kind = identity.kind_of_key(state.key or state.session_id)
+                label = (kind, "true" if state.persistent else "false")
                 kinds[label] = kinds.get(label, 0) + 1
         for label, count in sorted(kinds.items()):
             active.add_metric(list(label), count)
         yield active
         yield GaugeMetricFamily("kvproxy_slot_tokens", SLOT_TOKENS_HELP,
-                                value=sum(int(s.get("slot_tokens") or 0) for s in table.values()))
+                                value=sum(state.tokens for state in table.values()))
         held = GaugeMetricFamily("kvproxy_slot_held_tokens", HELD_HELP, labels=["slot"])
         for slot, state in sorted(table.items()):
-            held.add_metric([str(slot)], int(state.get("slot_tokens") or 0))
+            held.add_metric([str(slot)], state.tokens)
         yield held
 
 

@@ -18,7 +18,7 @@ import time
 from kvproxy.storage import disk
 from kvproxy.config import ConfigError
 from kvproxy.upstream.llama import LlamaClient, UpstreamError, UpstreamUnavailable
-from kvproxy.storage.store import PROBE_PREFIX, StorageError
+from kvproxy.storage.store import PROBE_PREFIX, StateFormatError, StorageError
 
 log = logging.getLogger("kvproxy.startup")
 
@@ -42,6 +42,8 @@ def sweep_slot_folder(switch, wait: float = START_WAIT) -> list[str]:
             if switch.store.migrate_state_file():
                 done.append(f"state file migrated to the per-slot table (its slot is "
                             f"{switch.store.legacy_slot})")
+        except StateFormatError as exc:
+            raise ContractError(str(exc)) from None
         except (OSError, StorageError) as exc:
             log.warning("start-up sweep of the slot folder failed: %s", exc)
             return []

@@ -13,12 +13,15 @@ first, or with "wait". The order, cheapest first:
 
 ``queue_order`` applies it to the requests waiting in one process, first come
 first served: each takes its slot out of the idle set before the next looks.
-No I/O here; ``kvproxy.slots`` carries the decision out.
+No I/O here; ``slots.pool`` takes the slot, and ``plan.plan_swap`` decides what is
+saved there first.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Iterable, Mapping
+
+from kvproxy.slots.state import SlotState
 
 HOLDER, FREE, EVICT, WAIT = "holder", "free", "evict", "wait"
 
@@ -36,26 +39,24 @@ class SlotFacts:
 
 @dataclass(frozen=True)
 class Placement:
-    action: str                   # HOLDER, FREE, EVICT or WAIT
+    action: str                   # HOLDER, FREE, EVICT or WAIT: why this slot (logged)
     slot: int | None = None       # where to run (None: wait)
-    save_first: bool = False      # the slot holds another persistent session: save it first
 
 
-def facts_from_table(table: Mapping[int, dict], slot_ids: Iterable[int],
+def facts_from_table(table: Mapping[int, SlotState], slot_ids: Iterable[int],
                      busy: Iterable[int], used_here: Mapping[int, str] | None = None
                      ) -> list[SlotFacts]:
-    """The placement's view of the state table (per-slot entries) and the busy slots.
+    """The placement's view of the state table (typed slot states) and the busy slots.
     ``used_here``: this process's own last use of each slot, which the table may not show
     yet (it is written at most once a second when nothing else changed); the later wins."""
     busy = set(busy)
     used_here = used_here or {}
     facts = []
     for slot in slot_ids:
-        entry = table.get(slot) or {}
-        key = entry.get("active_key") if entry.get("active") else None
-        used_at = max(entry.get("used_at") or entry.get("updated_at") or "",
-                      used_here.get(slot, ""))
-        facts.append(SlotFacts(slot, key, bool(entry.get("active_persistent")) and key is not None,
+        state = table.get(slot) or SlotState()
+        key = state.key if state.session_id else None
+        used_at = max(state.used_at or state.updated_at or "", used_here.get(slot, ""))
+        facts.append(SlotFacts(slot, key, state.persistent and key is not None,
                                used_at, slot in busy))
     return facts
 
@@ -72,7 +73,7 @@ def place(slots: list[SlotFacts], key: str | None, side: bool = False) -> Placem
         return Placement(FREE, min(free, key=lambda s: s.id).id)
     if idle:
         victim = min(idle, key=lambda s: (s.used_at, s.id))
-        return Placement(EVICT, victim.id, save_first=True)
+        return Placement(EVICT, victim.id)  # plan.plan_swap saves its session first
     return Placement(WAIT)
 
 

@@ -1,17 +1,29 @@
-"""Pure decisions about the slot: what made a slot file, what /slots shows, what a swap must do.
+"""Pure decisions about a slot: what ``/slots`` shows, what a swap must do, what an answer changed.
 
-No I/O here: the switch gathers the facts (its state file, a ``/slots``
-entry) and carries out the plan, so the rules can be read and tested alone.
+No I/O here. The switch gathers the facts (the typed slot state, a ``/slots``
+entry, the sidecars of the files a swap may restore) into ``SwapFacts``;
+``plan_swap`` answers with the list of actions the swap needs, and the
+executor (``slots.executor``) carries them out, as mitmproxy's layers yield
+commands that only the server performs. So every rule can be read and tested
+from facts alone.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Union
+
+from kvproxy.sessions.identity import Session, base_stem
+from kvproxy.slots.state import Phase, SlotState
 
 # What /slots shows about the slot, against what kvproxy's last action left in it.
 OURS, EMPTY, FOREIGN, UNKNOWN = "ours", "empty", "foreign", "unknown"
 # The slot holds every token of the last answer but the last one sampled (never
 # decoded), so /slots lists one fewer than the answer's timings add up to.
 TOKEN_SLACK = 1
+# Cache states reported to clients in X-KVProxy-Cache.
+HIT, RESTORED, BASE, MISS = "hit", "restored", "base", "miss"
+# Seconds between writes of a slot's last use alone to the state file (see after_answer).
+USED_AT_RESOLUTION_S = 1.0
 
 
 def judge_slot(entry: dict | None, expected: int) -> str:
@@ -30,28 +42,235 @@ def judge_slot(entry: dict | None, expected: int) -> str:
     return OURS if abs(held - expected) <= TOKEN_SLACK else FOREIGN
 
 
-@dataclass(frozen=True)
-class SwapPlan:
-    hit: bool          # the slot already holds the session: nothing to do
-    save_active: bool  # save the slot over the active session's file first
-    keep_file: bool    # the active session has a file that must not be overwritten
+def view_without_asking(state: SlotState, uncertain: bool, open_since: bool) -> str | None:
+    """What the slot holds when that is known without asking ``/slots``; None: ask.
 
-
-def plan_swap(state: dict, session_key: str, view: str) -> SwapPlan:
-    """Decide a swap from the state file and what the slot was seen to hold.
-
-    Only a slot proven to hold the active session (``OURS``) is trusted: it
-    serves the same session again as a hit, or is saved before a swap. Anything
-    else (emptied, foreign, unknown) is never saved, and the session is loaded
-    from its own file even when the state file says the slot holds it.
+    A slot being filled, unproven, or whose swap failed in this process is never
+    trusted. ``open_since``: the caller trusts the connection (only the no-swap
+    path does) and it is still open since kvproxy last recorded the slot, so
+    llama-server did not restart. It cannot see a client that talked to
+    llama-server directly, but the worst outcome there is one prefill; a swap
+    always asks, because an uncertain slot must never be saved over a file.
     """
-    persistent_active = bool(state.get("active_persistent") and state.get("active"))
-    if state.get("active_key") == session_key and view == OURS:
-        return SwapPlan(hit=True, save_active=False, keep_file=False)
-    return SwapPlan(hit=False, save_active=persistent_active and view == OURS,
-                    keep_file=persistent_active and view != OURS)
+    if uncertain or state.phase in (Phase.CLAIMED, Phase.UNPROVEN):
+        return UNKNOWN
+    if open_since and state.tokens > 0:
+        return OURS
+    return None
 
 
+def is_hit(state: SlotState, key: str, view: str) -> bool:
+    """The slot provably holds the session already: nothing to do."""
+    return state.key == key and view == OURS
+
+
+# -- the facts of a swap and its actions ------------------------------------------------
+@dataclass(frozen=True)
+class FileFacts:
+    """A slot file a swap may restore, as the slot folder shows it."""
+
+    stem: str
+    on_disk: bool = False
+    sidecar: dict | None = None
+    size_problem: str | None = None  # the file does not match its sidecar (``disk.size_problem``)
+
+
+@dataclass(frozen=True)
+class SwapFacts:
+    """Everything a swap of ``slot`` to ``session`` is decided on."""
+
+    slot: int
+    state: SlotState
+    session: Session
+    view: str                      # what /slots showed of the slot (OURS, EMPTY, ...)
+    made_by: dict                  # the running llama-server's fingerprint
+    restoring_off: bool = False    # restore_check switched restoring off for it
+    own: FileFacts | None = None   # the session's own file
+    base: FileFacts | None = None  # the base snapshot of its system prompt
+    n_ctx: int | None = None       # the slot's context, from /slots
+    base_snapshots: bool = True    # KVPROXY_BASE_SNAPSHOTS
+    has_prompt: bool = False       # the request's prompt can be tokenized (a base can be made)
+
+
+@dataclass(frozen=True)
+class Save:
+    """Save the slot over the file of the session it provably holds."""
+    slot: int
+    state: SlotState
+
+
+@dataclass(frozen=True)
+class KeepFile:
+    """The slot's session is not provably there: its file stays as it was (logged)."""
+    slot: int
+    state: SlotState
+    view: str
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Name the session as what the slot is being filled with, unless another slot has it."""
+    slot: int
+    session: Session
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """A file that is not restored: why, the metric it counts as, what to do with the file."""
+    stem: str
+    reason: str
+    metric: str | None = None     # RESTORE_MISSES label
+    quarantine: bool = False      # move it aside (it does not match its sidecar)
+    record: bool = False          # write the reason into its sidecar (``refused``)
+
+
+@dataclass(frozen=True)
+class Restore:
+    slot: int
+    stem: str
+    cache: str                    # RESTORED or BASE
+
+
+@dataclass(frozen=True)
+class Erase:
+    slot: int
+
+
+@dataclass(frozen=True)
+class MakeBase:
+    """Prefill the system prompt alone and save it as the base snapshot."""
+    slot: int
+    system_hash: str
+
+
+@dataclass(frozen=True)
+class Record:
+    """The slot holds the session now, with what the filling left in it."""
+    slot: int
+    session: Session
+
+
+Action = Union[Save, KeepFile, Claim, Refuse, Restore, Erase, MakeBase, Record]
+# The actions that fill the slot: the first Restore that succeeds ends them.
+FILLING = (Refuse, Restore, Erase, MakeBase)
+
+
+def restore_problem(file: FileFacts, made_by: dict, n_ctx: int | None, slot: int) -> Refuse | None:
+    """Why ``file`` may not be restored into this llama-server's ``slot``, or None.
+
+    A file is restored only when its sidecar says this llama-server made it
+    (same model, build and slot size), it matches its sidecar and it fits.
+    """
+    if not file.on_disk:
+        return Refuse(file.stem, "it does not exist")
+    sidecar = file.sidecar
+    if not sidecar or not sidecar.get("saved_at"):
+        return Refuse(file.stem, "it has no sidecar saying what made it")
+    if file.size_problem:
+        return Refuse(file.stem, file.size_problem, "bad_file", quarantine=True)
+    if sidecar.get("made_by") != made_by:
+        return Refuse(file.stem, f"made by {sidecar.get('made_by')}, running {made_by}",
+                      "model_mismatch", record=True)
+    problem = too_big(sidecar.get("n_tokens"), n_ctx)
+    if problem:
+        return Refuse(file.stem, f"{problem} of slot {slot}", "too_big", record=True)
+    return None
+
+
+def candidates(facts: SwapFacts) -> list[tuple[FileFacts, str]]:
+    """The files to try, in order: the session's own, then its system prompt's base."""
+    if not facts.session.persistent or facts.restoring_off:
+        return []
+    found = [(facts.own, RESTORED)] if facts.own else []
+    if facts.base_snapshots and facts.session.system_hash and facts.base:
+        found.append((facts.base, BASE))
+    return found
+
+
+def wants_base(facts: SwapFacts) -> bool:
+    """Make a base snapshot when the system prompt has none this llama-server made."""
+    session = facts.session
+    if not (facts.has_prompt and not facts.restoring_off and facts.base_snapshots
+            and session.persistent and session.system_hash):
+        return False
+    base = facts.base
+    return not (base and base.on_disk and base.sidecar
+                and base.sidecar.get("made_by") == facts.made_by)
+
+
+def plan_swap(facts: SwapFacts) -> list[Action]:
+    """The actions that swap ``facts.slot`` to ``facts.session`` (not a hit).
+
+    Only a slot proven to hold its session (``OURS``) is saved first; anything
+    else (emptied, foreign, unknown) is never saved over a file. Then the
+    slot is claimed and filled: each candidate file is restored or refused in
+    order, the first restore that succeeds ending the filling; else the slot is
+    erased, and a new system prompt gets its base snapshot. ``Record`` ends it.
+    """
+    state, slot = facts.state, facts.slot
+    actions: list[Action] = []
+    if state.keeps_file:
+        actions.append(Save(slot, state) if facts.view == OURS else KeepFile(slot, state, facts.view))
+    actions.append(Claim(slot, facts.session))
+    for file, cache in candidates(facts):
+        refused = restore_problem(file, facts.made_by, facts.n_ctx, slot)
+        if refused is None:
+            actions.append(Restore(slot, file.stem, cache))
+        elif file.on_disk:
+            actions.append(refused)
+    actions.append(Erase(slot))
+    if wants_base(facts):
+        actions.append(MakeBase(slot, facts.session.system_hash))
+    actions.append(Record(slot, facts.session))
+    return actions
+
+
+def needs_slot_size(facts: SwapFacts) -> bool:
+    """Whether a candidate passes every check but the slot's size: only then ask /slots."""
+    return any(restore_problem(file, facts.made_by, None, facts.slot) is None
+               for file, _ in candidates(facts))
+
+
+# -- after an answer ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Bookkeeping:
+    """What an answer changed in the slot's record."""
+
+    state: SlotState | None      # the slot's new record; None: unchanged
+    write_used_at: bool          # write the slot's last use although nothing else changed
+    verify_restore: bool         # compare the restored tokens with what llama-server reused
+    count_hit: bool              # a persistent session: its sidecar counts the request
+
+
+def after_answer(state: SlotState, session: Session, cache: str, held: int, timed: bool,
+                 used_at: str, several_slots: bool, since_written: float) -> Bookkeeping:
+    """The record after a request of ``session`` that left ``held`` tokens in the slot
+    (0: unknown). A persistent session now has turns its file lacks (``UNSAVED``); an
+    unproven slot stays unproven. The last use orders slots for eviction, so it matters
+    only with several slots: written alone at most once a second (``since_written``:
+    seconds since this process last wrote it), so a no-swap request writes no more with
+    several slots than with one."""
+    changes: dict = {}
+    if held and state.tokens != held:
+        changes["tokens"] = held
+    phase = state.phase
+    if session.persistent and state.trusted:
+        phase = Phase.UNSAVED
+    due = several_slots and since_written >= USED_AT_RESOLUTION_S
+    new = None
+    if changes or phase is not state.phase:
+        new = state.to(phase, used_at=used_at, **changes)
+    elif due:
+        new = state.to(phase, used_at=used_at)
+    return Bookkeeping(new, due, cache in (RESTORED, BASE) and timed, session.persistent)
+
+
+def held_by_timings(timings: dict) -> int:
+    """What the slot holds after an answer: the prompt it reused and computed plus the answer."""
+    return sum(int(timings.get(k) or 0) for k in ("cache_n", "prompt_n", "predicted_n"))
+
+
+# -- the rest ----------------------------------------------------------------------------
 def fingerprint(props: dict, models: dict) -> dict:
     """What made a slot file: a file from anything else must not be restored."""
     meta = {}
@@ -72,7 +291,6 @@ def fingerprint_key(made_by: dict) -> str:
     return "|".join(f"{k}={made_by.get(k)}" for k in sorted(made_by))
 
 
-
 def too_big(n_tokens: object, slot_n_ctx: int | None) -> str | None:
     """Why a file of ``n_tokens`` cannot be restored into a slot of ``slot_n_ctx``, or None.
     llama-server answers such a restore with an error and leaves the slot wiped. (The
@@ -86,15 +304,22 @@ def too_big(n_tokens: object, slot_n_ctx: int | None) -> str | None:
     return None
 
 
-def save_before_side(entry: dict) -> bool:
+def incoming_stems(session: Session) -> set[str]:
+    """Files a swap to ``session`` may restore: eviction must not delete them."""
+    stems = {session.stem}
+    if session.system_hash:
+        stems.add(base_stem(session.system_hash))
+    return stems
+
+
+def save_before_side(state: SlotState) -> bool:
     """Whether a slot's session must be saved before a side request llama-server may run in
-    that slot: a persistent session whose newest turns its file lacks (``unsaved``), in a
-    slot kvproxy can vouch for (an unproven slot is never saved over a file)."""
-    return bool(entry.get("active") and entry.get("active_persistent") and entry.get("unsaved")
-                and not entry.get("slot_unknown"))
+    that slot: a persistent session whose newest turns its file lacks, in a slot kvproxy can
+    vouch for (an unproven slot is never saved over a file)."""
+    return state.phase is Phase.UNSAVED and state.persistent and bool(state.session_id)
 
 
-def side_landed_in(table: dict[int, dict], listing, slots: list[int]) -> list[int]:
+def side_landed_in(table: dict[int, SlotState], listing, slots: list[int]) -> list[int]:
     """The ``slots`` whose ``/slots`` entry no longer shows what the state table says they
     hold: a side request llama-server did not pin ran there. Slots already unproven are
     left out (nothing there is trusted anyway); an answer that is not a list proves nothing."""
@@ -102,9 +327,9 @@ def side_landed_in(table: dict[int, dict], listing, slots: list[int]) -> list[in
                if isinstance(e, dict)}
     changed = []
     for slot in slots:
-        entry = table.get(slot) or {}
-        if entry.get("slot_unknown"):
+        state = table.get(slot) or SlotState()
+        if state.phase in (Phase.CLAIMED, Phase.UNPROVEN):
             continue
-        if judge_slot(entries.get(slot), int(entry.get("slot_tokens") or 0)) != OURS:
+        if judge_slot(entries.get(slot), state.tokens) != OURS:
             changed.append(slot)
     return changed

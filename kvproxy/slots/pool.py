@@ -20,6 +20,7 @@ import time
 from kvproxy.ops import metrics
 from kvproxy.slots.placement import facts_from_table, queue_order
 from kvproxy.slots.lock import SlotBusy, SlotLock
+from kvproxy.slots.state import SlotTable
 from kvproxy.storage.store import SessionStore
 
 POLL = 0.1  # seconds between looks at slots other processes may have freed
@@ -37,6 +38,7 @@ class SlotPool:
 
     def __init__(self, store: SessionStore, timeout: float, max_waiters: int):
         self.store = store
+        self.table = SlotTable(store)
         self.timeout = timeout
         self.max_waiters = max_waiters
         self._cond = threading.Condition()
@@ -78,7 +80,7 @@ class SlotPool:
             while True:
                 # One slot: nothing to choose between, so the table is not read (the
                 # no-swap path stays as fast as it was).
-                table = self.store.read_table() if len(slot_ids) > 1 else {}
+                table = self.table.read() if len(slot_ids) > 1 else {}
                 with self._cond:
                     facts = facts_from_table(table, slot_ids, self._busy(), self.used_here)
                     decision = queue_order(facts, [(w.key, w.side) for w in self._queue],

@@ -16,26 +16,27 @@ from dataclasses import dataclass, field
 from urllib.parse import quote
 from typing import Any, Callable, Iterator
 
-from kvproxy.storage import disk
 from kvproxy.ops import metrics
-from kvproxy.sessions.identity import DEFAULT_SESSION, Session, file_stem
 from kvproxy.ops.activity import RecentActivity
-from kvproxy.upstream.llama import LlamaClient, UpstreamError, UpstreamUnavailable
-from kvproxy.slots.plan import (EMPTY, FOREIGN, OURS, UNKNOWN, fingerprint, fingerprint_key, judge_slot,
-                   plan_swap)
-from kvproxy.slots.restore_check import RestoreCheck, verify_restore
+from kvproxy.sessions.identity import DEFAULT_SESSION, Session, file_stem
+from kvproxy.slots import plan
+from kvproxy.slots.executor import (MIN_BASE_TOKENS, HeldElsewhere, PromptView,  # noqa: F401
+                                    SlotExecutor)
 from kvproxy.slots.lock import ClientGone, SlotBusy, SlotLock, SlotUnavailable
+from kvproxy.slots.plan import (BASE, EMPTY, FOREIGN, HIT, MISS, OURS, RESTORED, UNKNOWN,
+                                fingerprint, fingerprint_key, incoming_stems, judge_slot)
 from kvproxy.slots.pool import SlotPool
+from kvproxy.slots.restore_check import RestoreCheck, verify_restore
+from kvproxy.slots.state import SlotState, SlotTable, emptied
+from kvproxy.storage import disk
 from kvproxy.storage.store import SessionStore, StorageError, now_iso
+from kvproxy.upstream.llama import LlamaClient, UpstreamError, UpstreamUnavailable
 
-USED_AT_RESOLUTION_S = 1.0
 log = logging.getLogger("kvproxy.switch")
 
-from kvproxy.slots.slotfiles import (BASE, HIT, MIN_BASE_TOKENS, MISS, RESTORED, PromptView,  # noqa: F401
-                        SlotFiles, incoming_stems)
-
 __all__ = ["SlotSwitch", "Lease", "SlotBusy", "SlotUnavailable", "ClientGone", "HIT", "RESTORED",
-           "BASE", "MISS", "header_safe", "judge_slot", "fingerprint", "fingerprint_key", "OURS", "EMPTY", "FOREIGN", "UNKNOWN"]
+           "BASE", "MISS", "header_safe", "judge_slot", "fingerprint", "fingerprint_key", "OURS",
+           "EMPTY", "FOREIGN", "UNKNOWN"]
 
 
 @dataclass
@@ -66,16 +67,13 @@ def header_safe(text: str) -> str:
     return quote(text.encode("utf-8", "backslashreplace"), safe="")
 
 
-class HeldElsewhere(Exception):
-    """Another process put the session in another slot since the placement looked."""
-
-
-class SlotSwitch(SlotFiles):
+class SlotSwitch:
     """Leases llama-server's slots to requests and swaps each to its request's session.
 
     With one slot it behaves as kvproxy always did. With several, ``SlotPool``
     picks the slot (``placement``): the one holding the session, else an idle
-    one, saving its session first when it holds one.
+    one, saving its session first when it holds one. What a swap does is
+    decided by ``plan`` and carried out by ``SlotExecutor``.
     """
 
     def __init__(self, client: LlamaClient, store: SessionStore, slot_id: int = 0,
@@ -85,6 +83,7 @@ class SlotSwitch(SlotFiles):
         self.client = client
         self.store = store
         store.legacy_slot = slot_id
+        self.table = SlotTable(store)
         self.activity = RecentActivity()  # recent swaps and outcomes, for /status and the CLI
         self.slot_id = slot_id            # the slot a single-slot kvproxy drives
         self.configured_slots = slots     # 0: as many as llama-server has
@@ -96,14 +95,9 @@ class SlotSwitch(SlotFiles):
         self.budget = disk.DiskBudget(store, max_disk_bytes, min_free_bytes)
         self.pool = SlotPool(store, lock_timeout, max_waiters)
         self.restore_check = RestoreCheck(store.root, restore_miss_limit, restore_off_minutes)
-        # Slots whose swap failed half-way: until their next good swap, they are not trusted.
-        self._uncertain: set[int] = set()
-        self._n_ctx: dict[int, int] = {}  # per slot, from /slots
+        self.executor = SlotExecutor(client, store, self.table, self.budget)
         self._busy_since: dict[int, str] = {}
-        # Per slot: a connection to llama-server that existed when kvproxy last recorded what
-        # the slot holds. Still open: llama-server did not restart since (see slot_view).
-        self._witness: dict[int, Any] = {}
-        # Per slot: when this process last wrote its used_at (see _after_request).
+        # Per slot: when this process last wrote its used_at alone (see plan.after_answer).
         self._used_at_written: dict[int, float] = {}
 
     # -- the slots ---------------------------------------------------------
@@ -132,10 +126,6 @@ class SlotSwitch(SlotFiles):
     def lock(self) -> SlotLock:
         """The lock of the first slot (the only one with a single slot)."""
         return self.pool.lock(self.slot_ids()[0])
-
-    @property
-    def _thread_lock(self):
-        return self.lock.thread_lock
 
     # -- locking -----------------------------------------------------------
     def acquire(self, session: Session, *, still_wanted: Callable[[], bool] | None = None,
@@ -183,17 +173,8 @@ class SlotSwitch(SlotFiles):
             return lease
 
     def mark_unknown(self, slot: int) -> None:
-        """After a failed swap: trust nothing the slot holds until its next good swap.
-
-        Kept in memory and, when the disk allows, in the state file, so another
-        process sharing the folder does not trust the slot either.
-        """
-        self._uncertain.add(slot)
-        try:
-            self.store.change_table(lambda table: table.setdefault(slot, {}).update(
-                slot_unknown=True))
-        except Exception:  # noqa: BLE001 - the disk may be why the swap failed
-            log.warning("could not mark slot %d as unknown in the state file", slot)
+        """After a failed swap: trust nothing the slot holds until its next good swap."""
+        self.executor.mark_unproven(slot)
 
     @contextlib.contextmanager
     def holding(self, timeout: float, slots: list[int] | None = None) -> Iterator[bool]:
@@ -213,6 +194,14 @@ class SlotSwitch(SlotFiles):
         finally:
             for slot in reversed(taken):
                 self.pool.give_back(slot)
+
+    def try_hold(self, slot: int) -> bool:
+        """Take ``slot`` only if it is free now (side requests protect idle slots this way)."""
+        return self.pool.lock(slot).try_acquire()
+
+    def give_back(self, slot: int) -> None:
+        """Free a slot taken with ``try_hold`` or ``holding``."""
+        self.pool.give_back(slot)
 
     def release(self, lease: Lease, timings: dict | None = None) -> None:
         """Record what the request showed about the cache, then free the slot. Idempotent."""
@@ -243,90 +232,48 @@ class SlotSwitch(SlotFiles):
     def slot_listing(self) -> list[dict]:
         """Every driven slot as the admin API lists it: from the state table and this
         process's locks, without asking llama-server."""
-        table = self.store.read_table()
-        return [slot_row(slot, table.get(slot) or {}, self.busy(slot), self.busy_since(slot),
-                         self._n_ctx.get(slot)) for slot in self.slot_ids()]
+        table = self.table.read()
+        return [slot_row(slot, table.get(slot) or SlotState(), self.busy(slot),
+                         self.busy_since(slot), self.executor.n_ctx.get(slot))
+                for slot in self.slot_ids()]
+
+    def llama_slots(self) -> list:
+        """llama-server's ``/slots`` listing, as it is now (raises when it cannot answer)."""
+        return self.client.slots()
 
     def current_made_by(self) -> dict:
         return fingerprint(self.client.props(), self.client.models())
 
+    def slot_view(self, state: SlotState, slot: int, trust_connection: bool = False) -> str:
+        """Whether the slot holds what kvproxy's last action left in it (``OURS``), or not."""
+        return self.executor.view(state, slot, trust_connection)
+
+    def save_held(self, slot: int, state: SlotState, made_by: dict,
+                  keep: set[str] = frozenset()) -> dict | None:
+        """Save the session ``state`` says ``slot`` holds into its own file (caller holds it)."""
+        return self.executor.save_session(slot, state, made_by, keep)
+
     def _swap_to(self, session: Session, prompt: PromptView | None, slot: int) -> Lease:
-        state = self.store.read_state(slot)
-        keep = state.get("active_key") == session.key
-        view = self.slot_view(state, slot, trust_connection=keep)
-        plan = plan_swap(state, session.key, view)
-        if plan.hit:
+        state = self.table.get(slot)
+        view = self.slot_view(state, slot, trust_connection=state.key == session.key)
+        if plan.is_hit(state, session.key, view):
             metrics.SWAPS.labels("none").inc()
             metrics.SLOT_SWAPS.labels(str(slot), "none").inc()
             return Lease(session, HIT, slot=slot)  # a hit needs no restore check: no prompt
         started = time.monotonic()
         made_by = self.current_made_by()
-        if plan.save_active:
-            metrics.SLOT_SWAPS.labels(str(slot), "save").inc()
-            self.save_held(slot, state, made_by, keep=incoming_stems(session))
-        elif plan.keep_file:
-            log.info("not saving session %s: slot %d is %s (kvproxy cannot prove it "
-                     "holds that session); its file stays as it was", state["active"], slot, view)
-        self._claim(slot, session)  # the slot is marked unknown until the swap is done
         restoring_off = self.restore_check.restoring_off(fingerprint_key(made_by))
-        cache, restored, restored_stem = self._load(session, made_by, restoring_off, prompt, slot)
-        metrics.SLOT_SWAPS.labels(str(slot), cache).inc()
-        self.store.write_state({"active": session.id, "active_key": session.key,
-                                "active_stem": session.stem,
-                                "active_persistent": session.persistent,
-                                "active_system_hash": session.system_hash,
-                                "slot_tokens": restored, "slot_unknown": False,
-                                "unsaved": False,  # restored from its file, or a new session
-                                "updated_at": now_iso(), "used_at": now_iso()}, slot)
-        self._uncertain.discard(slot)
-        self._witness[slot] = self.client.witness()
+        facts = self.executor.swap_facts(slot, state, session, view, made_by, restoring_off,
+                                         self.base_snapshots, prompt is not None)
+        filled = self.executor.carry_out(plan.plan_swap(facts), made_by, prompt,
+                                         self.slot_ids(), keep=incoming_stems(session))
+        metrics.SLOT_SWAPS.labels(str(slot), filled.cache).inc()
         swap_ms = (time.monotonic() - started) * 1000
         log.info("swap to session=%s source=%s cache=%s slot=%s restored_tokens=%d swap_ms=%.1f "
-                 "id_slot=%d", session.id, session.source, cache, view, restored, swap_ms, slot)
-        return Lease(session, cache, restored, swap_ms, restored_stem, made_by, prompt, slot=slot)
-
-    def _claim(self, slot: int, session: Session) -> None:
-        """Name ``session`` as what ``slot`` is being filled with, unproven until the swap is
-        done. Checked and written in one step of the table, so two processes never put one
-        session in two slots; raises ``HeldElsewhere`` when another slot holds it already."""
-        def claim(table: dict[int, dict]) -> int | None:
-            if session.persistent:
-                for other, entry in table.items():
-                    if other != slot and other in self.slot_ids() and entry.get("active") \
-                            and entry.get("active_key") == session.key:
-                        return other
-            table[slot] = {"active": session.id, "active_key": session.key,
-                           "active_stem": session.stem, "active_persistent": session.persistent,
-                           "active_system_hash": session.system_hash, "slot_tokens": 0,
-                           "slot_unknown": True, "updated_at": now_iso(), "used_at": now_iso()}
-            return None
-        other = self.store.change_table(claim)
-        if other is not None:
-            log.info("session %s is in slot %d already (another process put it there): "
-                     "going there instead of slot %d", session.id, other, slot)
-            raise HeldElsewhere()
-
-    def slot_view(self, state: dict, slot: int, trust_connection: bool = False) -> str:
-        """Whether the slot holds what kvproxy's last action left in it (``OURS``), or not.
-
-        With ``trust_connection``, a connection still open since the last slot
-        call counts as proof that llama-server did not restart, and ``/slots``
-        is not asked. Only the no-swap path trusts it: it cannot see a client
-        that talked to llama-server directly, but the worst outcome there is one
-        prefill (llama-server answers from what it holds either way). A swap
-        always asks: an uncertain slot must never be saved over a session's file.
-        """
-        if slot in self._uncertain or state.get("slot_unknown"):
-            return UNKNOWN
-        expected = int(state.get("slot_tokens") or 0)
-        if trust_connection and expected > 0 and self.client.still_open(self._witness.get(slot)):
-            return OURS
-        try:
-            entry = self._slot_entry(slot)
-        except (UpstreamError, UpstreamUnavailable) as exc:
-            log.warning("GET /slots failed (%s): slot %d is treated as foreign", exc, slot)
-            return UNKNOWN
-        return judge_slot(entry, expected)
+                 "id_slot=%d", session.id, session.source, filled.cache, view, filled.tokens,
+                 swap_ms, slot)
+        return Lease(session, filled.cache, filled.tokens, swap_ms, filled.stem, made_by,
+                     prompt, slot=slot)
 
     def clear(self, slot: int | None = None) -> list[int]:
         """Save what a slot (default: every slot) holds, erase it and make ``default`` its
@@ -338,7 +285,7 @@ class SlotSwitch(SlotFiles):
             try:
                 lease = self._swap_to(Session(DEFAULT_SESSION, "admin", persistent=False), None, one)
                 if lease.cache == HIT:
-                    self._erase(one)
+                    self.executor.erase(one)
             except BaseException:
                 self.mark_unknown(one)
                 raise
@@ -365,9 +312,8 @@ class SlotSwitch(SlotFiles):
             log.warning("slot %d stayed busy: its session was not saved at shutdown", slot)
             return False
         try:
-            state = self.store.read_state(slot)
-            if not (state.get("active_persistent") and state.get("active")) \
-                    or self.slot_view(state, slot) != OURS:
+            state = self.table.get(slot)
+            if not state.keeps_file or self.slot_view(state, slot) != OURS:
                 return False
             return self.save_held(slot, state, self.current_made_by()) is not None
         except (UpstreamError, UpstreamUnavailable, StorageError) as exc:
@@ -384,27 +330,23 @@ class SlotSwitch(SlotFiles):
         """
         stems = {s["stem"] for s in self.store.sidecars() if s.get("session_id") == session_id}
         stems.add(file_stem(session_id))  # a file left without its sidecar
-        holders = [slot for slot, entry in self.store.read_table().items()
-                   if entry.get("active") == session_id and slot in self.slot_ids()]
+        holders = [slot for slot, state in self.table.read().items()
+                   if state.session_id == session_id and slot in self.slot_ids()]
         taken = []
         try:
             for slot in holders:
                 self.pool.lock(slot).acquire()
                 taken.append(slot)
-                state = self.store.read_state(slot)
-                if state.get("active") != session_id:
+                state = self.table.get(slot)
+                if state.session_id != session_id:
                     continue
                 try:
-                    self._erase(slot)
+                    self.executor.erase(slot)
                 except (UpstreamError, UpstreamUnavailable) as exc:
                     log.warning("could not erase slot %d of deleted session %s: %s",
                                 slot, session_id, exc)
-                    self._uncertain.add(slot)
-                self.store.write_state({**state, "active": DEFAULT_SESSION, "active_key": None,
-                                        "active_stem": None,
-                                        "active_persistent": False, "active_system_hash": None,
-                                        "slot_tokens": 0, "slot_unknown": slot in self._uncertain,
-                                        "updated_at": now_iso()}, slot)
+                    self.executor.uncertain.add(slot)
+                self.table.put(slot, emptied(state, slot in self.executor.uncertain))
             removed = [self.store.delete(stem) for stem in stems]
             return any(removed)
         finally:
@@ -416,41 +358,29 @@ class SlotSwitch(SlotFiles):
         session = lease.session
         cache_n = int(timings.get("cache_n") or 0)
         prompt_n = int(timings.get("prompt_n") or 0)
-        predicted_n = int(timings.get("predicted_n") or 0)
         metrics.TOKENS.labels("reused").inc(cache_n)
         metrics.TOKENS.labels("computed").inc(prompt_n)
         self.activity.record(lease, timings)
         slot = lease.slot
-        self._witness[slot] = self.client.witness()
-        if timings:  # what the slot now holds: compared with /slots before the next swap
-            held = cache_n + prompt_n + predicted_n
-        else:
-            held = self._held_after_cut(slot)
-        state = self.store.read_state(slot)
-        changes = {"slot_tokens": held} if held and state.get("slot_tokens") != held else {}
-        if session.persistent and not state.get("unsaved"):
-            changes["unsaved"] = True  # turns its file lacks: saved before an unpinned side task
-        # used_at orders slots for eviction, so it matters only with several slots. This
-        # process keeps it exactly in memory; the table (for other processes) gets it at most
-        # once a second when nothing else changed, so a no-swap request writes no more with
-        # several slots than with one.
+        self.executor.witness[slot] = self.client.witness()
+        # What the slot now holds: compared with /slots before the next swap.
+        held = plan.held_by_timings(timings) if timings else self._held_after_cut(slot)
         used_at = now_iso()
-        self.pool.note_use(slot, used_at)
+        self.pool.note_use(slot, used_at)  # this process keeps it exactly, in memory
         now = time.monotonic()
-        used_at_due = len(self.slot_ids()) > 1 and \
-            now - self._used_at_written.get(slot, -USED_AT_RESOLUTION_S) >= USED_AT_RESOLUTION_S
-        if changes or used_at_due:
-            self.store.change_table(lambda table: table.setdefault(slot, {}).update(
-                used_at=used_at, **changes))
+        since = now - self._used_at_written.get(slot, -plan.USED_AT_RESOLUTION_S)
+        done = plan.after_answer(self.table.get(slot), session, lease.cache, held,
+                                 bool(timings), used_at, len(self.slot_ids()) > 1, since)
+        if done.state is not None:
+            self.table.put(slot, done.state)
             self._used_at_written[slot] = now
-        if lease.cache in (RESTORED, BASE) and timings:
+        if done.verify_restore:
             self._verify_restore(lease, cache_n)
-        if not session.persistent:
-            return
-        self.store.update_sidecar(session.stem, {"session_id": session.id, "kind": "session"},
-                                  count="hits", session_id=session.id, last_used_at=now_iso(),
-                                  last_cache=lease.cache, last_cache_n=cache_n,
-                                  last_prompt_n=prompt_n)
+        if done.count_hit:
+            self.store.update_sidecar(session.stem, {"session_id": session.id, "kind": "session"},
+                                      count="hits", session_id=session.id,
+                                      last_used_at=now_iso(), last_cache=lease.cache,
+                                      last_cache_n=cache_n, last_prompt_n=prompt_n)
 
     def _held_after_cut(self, slot: int) -> int:
         """An answer that ended without timings (cut short at shutdown, client gone): ask
@@ -458,7 +388,7 @@ class SlotSwitch(SlotFiles):
         the next swap or the save at shutdown can still prove the slot is this session's.
         0 when it cannot tell."""
         try:
-            entry = self._slot_entry(slot)
+            entry = self.executor.slot_entry(slot)
         except (UpstreamError, UpstreamUnavailable):
             return 0  # llama-server gone: the next swap finds the slot empty or unknown
         return int(entry.get("n_prompt_tokens") or 0) if entry and "id_task" in entry else 0
@@ -471,14 +401,13 @@ class SlotSwitch(SlotFiles):
             metrics.RESTORE_MISSES.labels("not_honoured").inc()
 
 
-def slot_row(slot: int, entry: dict, busy: bool, busy_since: str | None,
+def slot_row(slot: int, state: SlotState, busy: bool, busy_since: str | None,
              n_ctx: int | None) -> dict:
     """One slot's row: the session it holds, its tokens, busy or idle and since when."""
-    stem = entry.get("active_stem")
-    return {"id": slot, "session_id": entry.get("active") or DEFAULT_SESSION,
-            "persistent": bool(entry.get("active_persistent")),
-            "file": f"{stem}.bin" if stem else None,
-            "tokens": int(entry.get("slot_tokens") or 0), "n_ctx": n_ctx,
+    return {"id": slot, "session_id": state.session_id or DEFAULT_SESSION,
+            "persistent": state.persistent,
+            "file": f"{state.stem}.bin" if state.stem else None,
+            "tokens": state.tokens, "n_ctx": n_ctx,
             "busy": busy, "busy_since": busy_since,
-            "unproven": bool(entry.get("slot_unknown")),
-            "since": entry.get("updated_at"), "last_used_at": entry.get("used_at")}
+            "unproven": state.phase.value in ("claimed", "unproven"),
+            "since": state.updated_at, "last_used_at": state.used_at}

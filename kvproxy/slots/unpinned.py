@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from kvproxy.upstream.llama import UpstreamError, UpstreamUnavailable
 from kvproxy.slots.plan import OURS, save_before_side, side_landed_in
+from kvproxy.slots.state import SlotState
 from kvproxy.storage.store import StorageError
 
 if TYPE_CHECKING:
@@ -39,9 +40,7 @@ def protect_other_slots(switch: "SlotSwitch", lease: "Lease") -> Iterator[None]:
         return
     taken: list[int] = []
     try:
-        for slot in others:
-            if switch.pool.lock(slot).try_acquire():
-                taken.append(slot)
+        taken = [slot for slot in others if switch.try_hold(slot)]
         _save_unsaved(switch, taken)
         try:
             yield
@@ -49,28 +48,28 @@ def protect_other_slots(switch: "SlotSwitch", lease: "Lease") -> Iterator[None]:
             _mark_landed(switch, lease.slot, taken)
     finally:
         for slot in reversed(taken):
-            switch.pool.give_back(slot)
+            switch.give_back(slot)
 
 
 def _save_unsaved(switch: "SlotSwitch", slots: list[int]) -> None:
     """Save each held slot whose session has turns its file lacks, so its file matches."""
-    table = switch.store.read_table()
-    due = [slot for slot in slots if save_before_side(table.get(slot) or {})]
+    table = switch.table.read()
+    due = [slot for slot in slots if save_before_side(table.get(slot) or SlotState())]
     if not due:
         return
     made_by = switch.current_made_by()
     for slot in due:
-        entry = table[slot]
-        view = switch.slot_view(entry, slot)
+        state = table[slot]
+        view = switch.slot_view(state, slot)
         if view != OURS:
             log.info("not saving session %s before a side request: slot %d is %s",
-                     entry["active"], slot, view)
+                     state.session_id, slot, view)
             continue
         try:
-            switch.save_held(slot, entry, made_by)
+            switch.save_held(slot, state, made_by)
         except StorageError as exc:
             log.warning("could not save session %s of slot %d before a side request: %s",
-                        entry["active"], slot, exc)
+                        state.session_id, slot, exc)
 
 
 def _mark_landed(switch: "SlotSwitch", leased: int, slots: list[int]) -> None:
@@ -78,16 +77,16 @@ def _mark_landed(switch: "SlotSwitch", leased: int, slots: list[int]) -> None:
     if not slots:
         return
     try:
-        listing = switch.client.slots()
+        listing = switch.llama_slots()
     except (UpstreamError, UpstreamUnavailable) as exc:
         log.warning("GET /slots failed after a side request (%s): slots %s are treated as "
                     "unproven", exc, slots)
         for slot in slots:
             switch.mark_unknown(slot)
         return
-    table = switch.store.read_table()
+    table = switch.table.read()
     for slot in side_landed_in(table, listing, slots):
         log.info("llama-server ran the side request in slot %d, not in slot %d it was pinned "
                  "to: session %s there comes back from its file", slot, leased,
-                 (table.get(slot) or {}).get("active"))
+                 (table.get(slot) or SlotState()).session_id)
         switch.mark_unknown(slot)

@@ -12,7 +12,10 @@ never lose each other's entries.
 Sidecars and the state file carry a format number; ``migrate_sidecar`` and
 ``migrate_state`` lift every older format to the current one step by step, so
 files written by an older kvproxy still load (format 1 of the state file
-described a single slot: it becomes that slot's entry).
+described a single slot: it becomes that slot's entry; format 3 names each
+slot's phase, see ``slots.state``). A state file from a newer kvproxy is
+refused loudly (``StateFormatError``): guessing at it could save an unproven
+slot over a session's file.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from typing import Any, Callable
 import filelock
 
 SIDECAR_FORMAT = 2
-STATE_FORMAT = 2
+STATE_FORMAT = 3
 STATE_FILE = ".kvproxy-state.json"
 STATE_LOCK = ".kvproxy-state.lock"
 LOCK_FILE = ".kvproxy.lock"     # slot 0's lock (the name older versions used for their one slot)
@@ -78,17 +81,45 @@ def _state_v1_to_v2(state: dict, legacy_slot: int) -> dict:
     return {"slots": {str(legacy_slot): entry} if entry else {}}
 
 
-STATE_MIGRATIONS = {1: _state_v1_to_v2}  # format n -> format n + 1
+def _state_v2_to_v3(state: dict, legacy_slot: int) -> dict:
+    """Format 3 names each slot's phase (``slots.state.Phase``) instead of the two flags
+    ``slot_unknown`` (nothing there trusted) and ``unsaved`` (turns its file lacks)."""
+    slots = {}
+    for slot, entry in (state.get("slots") or {}).items():
+        if not isinstance(entry, dict):
+            continue
+        entry = dict(entry)
+        unknown, unsaved = entry.pop("slot_unknown", False), entry.pop("unsaved", False)
+        if unknown:
+            entry["phase"] = "unproven"
+        elif not (entry.get("active") and entry.get("active_key")):
+            entry["phase"] = "empty"
+        else:
+            entry["phase"] = "unsaved" if unsaved else "ours"
+        slots[slot] = entry
+    return {"slots": slots}
+
+
+STATE_MIGRATIONS = {1: _state_v1_to_v2, 2: _state_v2_to_v3}  # format n -> format n + 1
+
+
+class StateFormatError(StorageError):
+    """The state file was written by a newer kvproxy: refused, never guessed at."""
 
 
 def migrate_state(data: dict | None, legacy_slot: int = 0) -> dict:
-    """The state file in the current format: ``{"format": 2, "slots": {"<id>": entry}}``.
-    A file from a newer kvproxy, or one that is not a table, gives an empty table: every
-    slot is then unproven, so nothing it holds is trusted or saved."""
+    """The state file in the current format: ``{"format": 3, "slots": {"<id>": entry}}``.
+    One that is not a table gives an empty table (every slot then holds nothing kvproxy
+    trusts or saves); one from a newer kvproxy raises ``StateFormatError``."""
     data = dict(data or {})
     if not data:
         return {"format": STATE_FORMAT, "slots": {}}
     version = data.get("format", 1)
+    if isinstance(version, int) and version > STATE_FORMAT:
+        raise StateFormatError(
+            f"the state file {STATE_FILE} in the slot folder was written by a newer kvproxy "
+            f"(format {version}; this one reads formats 1 to {STATE_FORMAT}): run that kvproxy, "
+            f"or move the file aside (every slot then starts unproven)")
     while isinstance(version, int) and version < STATE_FORMAT:
         step = STATE_MIGRATIONS.get(version)
         if step is None:

@@ -1,0 +1,310 @@
+"""Carries out what ``plan`` decided for one slot: save, claim, restore, erase, base snapshots, record.
+
+The thin side of the switch: every method takes the slot it acts on, which the
+caller holds (``SlotPool``), and performs I/O without deciding anything the
+plan decides. Saves go through ``disk.checked_save``. It also keeps what this
+process knows about each slot beyond the state file: which slots a failed swap
+left uncertain, the slots' sizes from ``/slots``, and the connection to
+llama-server that existed when each slot was last recorded (its "witness").
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvproxy.ops import metrics
+from kvproxy.sessions.identity import Session, base_stem
+from kvproxy.slots import plan
+from kvproxy.slots.plan import (BASE, FILLING, MISS, Action, Claim, Erase, FileFacts, KeepFile,
+                                MakeBase, Record, Refuse, Restore, Save, SwapFacts)
+from kvproxy.slots.state import Phase, SlotState, SlotTable, claimed_for, filled_with
+from kvproxy.storage import disk
+from kvproxy.storage.store import SessionStore, now_iso
+from kvproxy.upstream.llama import LlamaClient, UpstreamError, UpstreamUnavailable
+
+log = logging.getLogger("kvproxy.switch")
+
+# A system prompt shorter than this is not worth a snapshot of its own.
+MIN_BASE_TOKENS = 32
+
+
+class PromptView(Protocol):
+    """The request's prompt as llama-server tokenizes it (the relay provides it; asked lazily)."""
+
+    def tokens(self) -> list[int]: ...
+
+    def system_tokens(self, min_tokens: int = 0) -> list[int] | None: ...
+
+
+class HeldElsewhere(Exception):
+    """Another process put the session in another slot since the placement looked."""
+
+
+@dataclass(frozen=True)
+class Filled:
+    """What a swap's filling did: the cache state, the tokens the slot holds, the file used."""
+
+    cache: str
+    tokens: int
+    stem: str | None = None
+
+
+class SlotExecutor:
+    """Performs slot actions against llama-server and the slot folder."""
+
+    def __init__(self, client: LlamaClient, store: SessionStore, table: SlotTable,
+                 budget: disk.DiskBudget):
+        self.client = client
+        self.store = store
+        self.table = table
+        self.budget = budget
+        self.uncertain: set[int] = set()       # a swap failed half-way: trust nothing there
+        self.n_ctx: dict[int, int] = {}        # per slot, from /slots
+        self.witness: dict[int, Any] = {}      # per slot, see view()
+
+    # -- facts ---------------------------------------------------------------
+    def slot_entry(self, slot: int) -> dict | None:
+        """``/slots``' entry for ``slot`` (and every slot's n_ctx noted); raises when unreachable."""
+        slots = self.client.slots()
+        for entry in slots:
+            if isinstance(entry, dict) and isinstance(entry.get("id"), int) and entry.get("n_ctx"):
+                self.n_ctx[entry["id"]] = int(entry["n_ctx"])
+        return next((s for s in slots if isinstance(s, dict) and s.get("id") == slot), None)
+
+    def slot_n_ctx(self, slot: int) -> int | None:
+        if slot not in self.n_ctx:
+            try:
+                self.slot_entry(slot)
+            except (UpstreamError, UpstreamUnavailable):
+                return None
+        return self.n_ctx.get(slot)
+
+    def view(self, state: SlotState, slot: int, trust_connection: bool = False) -> str:
+        """Whether the slot holds what kvproxy's last action left in it (``OURS``), or not
+        (``plan.view_without_asking`` says when ``/slots`` need not be asked)."""
+        open_since = trust_connection and state.tokens > 0 and \
+            self.client.still_open(self.witness.get(slot))
+        known = plan.view_without_asking(state, slot in self.uncertain, open_since)
+        if known is not None:
+            return known
+        try:
+            entry = self.slot_entry(slot)
+        except (UpstreamError, UpstreamUnavailable) as exc:
+            log.warning("GET /slots failed (%s): slot %d is treated as foreign", exc, slot)
+            return plan.UNKNOWN
+        return plan.judge_slot(entry, state.tokens)
+
+    def file_facts(self, stem: str) -> FileFacts:
+        if not self.store.has_bin(stem):
+            return FileFacts(stem)
+        sidecar = self.store.read_sidecar(stem)
+        problem = disk.size_problem(self.store, stem, sidecar) \
+            if sidecar and sidecar.get("saved_at") else None
+        return FileFacts(stem, True, sidecar, problem)
+
+    def swap_facts(self, slot: int, state: SlotState, session: Session, view: str,
+                   made_by: dict, restoring_off: bool, base_snapshots: bool,
+                   has_prompt: bool) -> SwapFacts:
+        own = self.file_facts(session.stem) if session.persistent else None
+        base = self.file_facts(base_stem(session.system_hash)) \
+            if session.persistent and session.system_hash and base_snapshots else None
+        facts = SwapFacts(slot, state, session, view, made_by, restoring_off, own, base,
+                          None, base_snapshots, has_prompt)
+        if plan.needs_slot_size(facts):
+            facts = SwapFacts(slot, state, session, view, made_by, restoring_off, own, base,
+                              self.slot_n_ctx(slot), base_snapshots, has_prompt)
+        return facts
+
+    # -- carrying out a plan -------------------------------------------------
+    def carry_out(self, actions: list[Action], made_by: dict, prompt: PromptView | None,
+                  slot_ids: list[int], keep: set[str]) -> Filled:
+        """Perform a swap's actions in order; the first Restore that succeeds ends the
+        filling (the remaining Refuse, Restore, Erase and MakeBase are skipped)."""
+        filled: Filled | None = None
+        restored = False
+        for action in actions:
+            if restored and isinstance(action, FILLING):
+                continue
+            if isinstance(action, Save):
+                metrics.SLOT_SWAPS.labels(str(action.slot), "save").inc()
+                self.save_session(action.slot, action.state, made_by, keep=keep)
+            elif isinstance(action, KeepFile):
+                log.info("not saving session %s: slot %d is %s (kvproxy cannot prove it holds "
+                         "that session); its file stays as it was", action.state.session_id,
+                         action.slot, action.view)
+            elif isinstance(action, Claim):
+                self.claim(action.slot, action.session, slot_ids)
+            elif isinstance(action, Refuse):
+                self.refuse(action)
+            elif isinstance(action, Restore):
+                tokens = self.restore(action.stem, action.slot)
+                if tokens is not None:
+                    filled, restored = Filled(action.cache, tokens, action.stem), True
+            elif isinstance(action, Erase):
+                self.erase(action.slot)
+                filled = Filled(MISS, 0)
+            elif isinstance(action, MakeBase):
+                filled = Filled(MISS, self.make_base(action.slot, action.system_hash, made_by,
+                                                     prompt))
+            elif isinstance(action, Record):
+                filled = filled or Filled(MISS, 0)
+                self.record(action.slot, action.session, filled.tokens)
+        return filled or Filled(MISS, 0)
+
+    def claim(self, slot: int, session: Session, slot_ids: list[int]) -> None:
+        """Name ``session`` as what ``slot`` is being filled with, unproven until the swap is
+        done. Checked and written in one step of the table, so two processes never put one
+        session in two slots; raises ``HeldElsewhere`` when another slot holds it already."""
+        def claim(table: dict[int, SlotState]) -> int | None:
+            if session.persistent:
+                for other, state in table.items():
+                    if other != slot and other in slot_ids and state.session_id \
+                            and state.key == session.key:
+                        return other
+            table[slot] = claimed_for(table.get(slot) or SlotState(), session)
+            return None
+        other = self.table.change(claim)
+        if other is not None:
+            log.info("session %s is in slot %d already (another process put it there): "
+                     "going there instead of slot %d", session.id, other, slot)
+            raise HeldElsewhere()
+
+    def record(self, slot: int, session: Session, tokens: int) -> None:
+        """The swap is done: the slot holds ``session``, proven from now on."""
+        self.table.change(lambda table: table.__setitem__(
+            slot, filled_with(table.get(slot) or SlotState(), session, tokens)))
+        self.uncertain.discard(slot)
+        self.witness[slot] = self.client.witness()
+
+    def mark_unproven(self, slot: int) -> None:
+        """After a failed swap or a side request there: trust nothing the slot holds until
+        its next good swap. Kept in memory and, when the disk allows, in the state file, so
+        another process sharing the folder does not trust the slot either."""
+        self.uncertain.add(slot)
+        try:
+            self.table.change(lambda table: table.__setitem__(
+                slot, (table.get(slot) or SlotState()).to(Phase.UNPROVEN)))
+        except Exception:  # noqa: BLE001 - the disk may be why the swap failed
+            log.warning("could not mark slot %d as unknown in the state file", slot)
+
+    def refuse(self, refused: Refuse) -> None:
+        stem, reason = refused.stem, refused.reason
+        if refused.quarantine:
+            log.warning("not restoring %s.bin: %s; %s, the session starts fresh",
+                        stem, reason, disk.set_aside(self.store, stem, reason))
+        elif refused.metric == "too_big":
+            log.warning("not restoring %s.bin: %s (llama-server would fail and wipe the slot); "
+                        "the session starts fresh", stem, reason)
+        else:
+            log.warning("not restoring %s.bin: %s", stem, reason)
+        if refused.record:
+            self.store.update_sidecar(stem, {}, refused=reason, refused_at=now_iso())
+        if refused.metric:
+            metrics.RESTORE_MISSES.labels(refused.metric).inc()
+
+    # -- the slot actions ----------------------------------------------------
+    def save_session(self, slot: int, state: SlotState, made_by: dict,
+                     keep: set[str] = frozenset()) -> dict | None:
+        """Save the session the record says ``slot`` holds into its own file; as ``save``.
+        The caller holds the slot and has checked that it still holds that session."""
+        return self.save(state.session_id, state.stem, made_by, kind="session",
+                         system_hash=state.system_hash, slot=slot, keep=keep,
+                         tokens=state.tokens)
+
+    def save(self, session_id: str, stem: str, made_by: dict, kind: str,
+             system_hash: str | None, slot: int, tokens: int,
+             keep: set[str] = frozenset()) -> dict | None:
+        """Save ``slot``, holding about ``tokens``, as ``<stem>.bin``: room made first,
+        written under a temporary name, checked, then renamed over the old file. A disk that
+        cannot take it raises StorageError with the old file untouched; llama-server out of
+        reach gives None."""
+        # Files of sessions other slots hold stay too: they may be saved over, not evicted.
+        protected = {stem, *keep, *(s.stem for s in self.table.read().values())}
+        estimate = self.budget.make_room(stem, tokens, made_by, protected)
+        started = time.monotonic()
+
+        def describe(answer: dict, size: int) -> dict:
+            save_ms = (answer.get("timings") or {}).get("save_ms",
+                                                        (time.monotonic() - started) * 1000)
+            metrics.observe_swap("save", time.monotonic() - started, size)
+            return self.store.merged_sidecar(
+                stem, {}, session_id=session_id, kind=kind, system_hash=system_hash,
+                made_by=made_by, n_tokens=answer.get("n_saved"), n_bytes=answer.get("n_written"),
+                saved_bytes=size, save_ms=round(save_ms, 2), saved_at=now_iso(),
+                saved_from_slot=slot, refused=None)
+        try:
+            sidecar = disk.checked_save(self.client, slot, self.store, stem, describe)
+        except UpstreamUnavailable as exc:
+            log.warning("could not save session %s: %s", session_id, exc)
+            return None
+        if sidecar is None:
+            log.warning("not saving session %s: slot %d is empty", session_id, slot)
+            return None
+        if sidecar["saved_bytes"] > estimate:  # bigger than room was made for
+            self.budget.trim(protected)
+        if kind == "session":
+            self._mark_saved(slot, stem)
+        return sidecar
+
+    def _mark_saved(self, slot: int, stem: str) -> None:
+        """The session ``slot`` holds is in its file now: no unsaved turns to protect."""
+        if self.table.get(slot).phase is not Phase.UNSAVED:
+            return
+
+        def saved(table: dict[int, SlotState]) -> None:
+            state = table.get(slot)
+            if state and state.stem == stem and state.phase is Phase.UNSAVED:
+                table[slot] = state.to(Phase.OURS)
+        self.table.change(saved)
+
+    def restore(self, stem: str, slot: int) -> int | None:
+        """Restore ``<stem>.bin`` into ``slot``: the tokens restored, None when it failed."""
+        started = time.monotonic()
+        try:
+            answer = self.client.slot_action(slot, "restore", f"{stem}.bin")
+        except UpstreamError as exc:  # a failed restore wipes the slot; erase keeps it clean
+            log.warning("restore of %s.bin failed: %s", stem, exc.message)
+            metrics.RESTORE_MISSES.labels("failed").inc()
+            return None
+        restore_ms = (answer.get("timings") or {}).get("restore_ms",
+                                                       (time.monotonic() - started) * 1000)
+        metrics.observe_swap("restore", time.monotonic() - started, answer.get("n_read", 0))
+        self.store.update_sidecar(stem, {}, count="restores", restore_ms=round(restore_ms, 2),
+                                  last_used_at=now_iso(), restored_into_slot=slot)
+        return int(answer.get("n_restored") or 0)
+
+    def erase(self, slot: int) -> None:
+        started = time.monotonic()
+        self.client.slot_action(slot, "erase")
+        metrics.observe_swap("erase", time.monotonic() - started, 0)
+
+    def make_base(self, slot: int, system_hash: str, made_by: dict,
+                  prompt: PromptView | None) -> int:
+        """Prefill the system prompt alone and save it as the base snapshot.
+
+        Never the first user's message or answer: a later conversation could
+        probe them through the cached-token counts every API reports. Returns
+        the tokens the slot then holds (0 when no base was made).
+        """
+        if prompt is None:
+            return 0
+        try:
+            tokens = prompt.system_tokens(MIN_BASE_TOKENS)
+            if not tokens or len(tokens) < MIN_BASE_TOKENS:
+                return 0
+            timings = self.client.prefill(tokens, slot).get("timings") or {}
+        except (UpstreamError, UpstreamUnavailable) as exc:
+            log.warning("no base snapshot for system prompt %s: %s", system_hash, exc)
+            self.erase(slot)
+            return 0
+        # Not in the answer's timings: count it here, so computed tokens add up.
+        computed = int(timings.get("prompt_n") or 0)
+        metrics.TOKENS.labels("computed").inc(computed)
+        metrics.TOKENS.labels("reused").inc(int(timings.get("cache_n") or 0))
+        if self.save(f"base:{system_hash}", base_stem(system_hash), made_by, kind="base",
+                     system_hash=system_hash, slot=slot, tokens=len(tokens)):
+            metrics.SWAPS.labels(BASE).inc()
+            self.store.update_sidecar(base_stem(system_hash), {}, prefill_computed=computed)
+        return len(tokens)
