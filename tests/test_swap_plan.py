@@ -1,0 +1,148 @@
+"""The swap plan, from facts alone: each case the switch handles, as the actions it needs.
+
+No HTTP stub and no slot folder: ``SwapFacts`` is what the switch gathered (the
+typed slot state, what /slots showed, the sidecars of the files it may restore),
+and ``plan_swap`` answers with the actions the executor then performs.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kvproxy.sessions.identity import Session, base_stem
+from kvproxy.slots.plan import (BASE, EMPTY, FOREIGN, HIT, OURS, RESTORED, UNKNOWN, Claim, Erase,
+                                FileFacts, KeepFile, MakeBase, Record, Refuse, Restore, Save,
+                                SwapFacts, after_answer, is_hit, needs_slot_size, plan_swap,
+                                view_without_asking)
+from kvproxy.slots.state import Phase, SlotState
+
+MADE_BY = {"model_path": "m.gguf", "n_ctx": 4096, "build_info": "b1"}
+A = Session("A", "header", system_hash="sysA", key="kA")
+B = Session("B", "header", system_hash="sysB", key="kB")
+HOLDS_A = SlotState(Phase.UNSAVED, session_id="A", key="kA", stem=A.stem, persistent=True,
+                    system_hash="sysA", tokens=40)
+
+
+def saved(stem: str, **sidecar) -> FileFacts:
+    """A file on disk whose sidecar says this llama-server made it."""
+    return FileFacts(stem, True, {"saved_at": "t", "made_by": MADE_BY, "n_tokens": 30, **sidecar})
+
+
+def facts(state=HOLDS_A, session=B, view=OURS, own=None, base=None, **more) -> SwapFacts:
+    return SwapFacts(slot=0, state=state, session=session, view=view, made_by=MADE_BY,
+                     own=own, base=base, has_prompt=True, **more)
+
+
+def test_hit_the_slot_provably_holds_the_session():
+    assert is_hit(HOLDS_A, "kA", OURS)
+    assert not is_hit(HOLDS_A, "kB", OURS)
+    for view in (EMPTY, FOREIGN, UNKNOWN):
+        assert not is_hit(HOLDS_A, "kA", view), f"a slot seen {view} is never a hit"
+
+
+def test_restore_the_session_s_own_file_after_saving_the_one_the_slot_holds():
+    assert plan_swap(facts(own=saved(B.stem))) == [
+        Save(0, HOLDS_A), Claim(0, B), Restore(0, B.stem, RESTORED), Erase(0),
+        MakeBase(0, "sysB"), Record(0, B)]
+
+
+def test_base_a_new_conversation_restores_its_system_prompt_s_snapshot():
+    base = saved(base_stem("sysB"))
+    assert plan_swap(facts(own=FileFacts(B.stem), base=base)) == [
+        Save(0, HOLDS_A), Claim(0, B), Restore(0, base.stem, BASE), Erase(0), Record(0, B)]
+
+
+def test_miss_nothing_to_restore_erases_and_makes_the_base_snapshot():
+    assert plan_swap(facts(own=FileFacts(B.stem), base=FileFacts(base_stem("sysB")))) == [
+        Save(0, HOLDS_A), Claim(0, B), Erase(0), MakeBase(0, "sysB"), Record(0, B)]
+    no_prompt = replace(facts(own=FileFacts(B.stem)), has_prompt=False)
+    assert MakeBase(0, "sysB") not in plan_swap(no_prompt), "no prompt to tokenize"
+    off = replace(facts(own=saved(B.stem)), base_snapshots=False)
+    assert MakeBase(0, "sysB") not in plan_swap(off)
+
+
+def test_foreign_slot_is_never_saved_over_its_session_s_file():
+    for view in (FOREIGN, EMPTY):
+        actions = plan_swap(facts(view=view, own=saved(B.stem)))
+        assert actions[0] == KeepFile(0, HOLDS_A, view)
+        assert not [a for a in actions if isinstance(a, Save)]
+
+
+def test_unproven_slot_is_never_saved_and_its_session_comes_back_from_its_file():
+    unproven = HOLDS_A.to(Phase.UNPROVEN)
+    assert view_without_asking(unproven, uncertain=False, open_since=True) == UNKNOWN
+    assert view_without_asking(HOLDS_A, uncertain=True, open_since=True) == UNKNOWN
+    same_session = plan_swap(facts(state=unproven, session=A, view=UNKNOWN, own=saved(A.stem)))
+    assert same_session[:3] == [KeepFile(0, unproven, UNKNOWN), Claim(0, A),
+                                Restore(0, A.stem, RESTORED)]
+
+
+def test_file_too_big_for_the_slot_is_refused_and_recorded():
+    big = saved(B.stem, n_tokens=5000)
+    actions = plan_swap(facts(own=big, n_ctx=4096))
+    refused = next(a for a in actions if isinstance(a, Refuse))
+    assert (refused.stem, refused.metric, refused.record, refused.quarantine) == \
+        (B.stem, "too_big", True, False)
+    assert "5000 tokens, more than the 4096-token context of slot 0" in refused.reason
+    assert not [a for a in actions if isinstance(a, Restore)]
+    assert needs_slot_size(facts(own=big)), "the slot's size is asked only when it decides"
+    assert not needs_slot_size(facts(own=FileFacts(B.stem)))
+
+
+def test_fingerprint_mismatch_is_refused_and_the_base_tried_next():
+    other = FileFacts(B.stem, True, {"saved_at": "t", "made_by": {**MADE_BY, "build_info": "b2"}})
+    base = saved(base_stem("sysB"))
+    actions = plan_swap(facts(own=other, base=base))
+    refused = actions[2]
+    assert isinstance(refused, Refuse) and refused.metric == "model_mismatch" and refused.record
+    assert actions[3] == Restore(0, base.stem, BASE)
+
+
+def test_a_file_that_does_not_match_its_sidecar_is_quarantined():
+    short = replace(saved(B.stem), size_problem="it has 10 bytes, its sidecar says 20")
+    refused = [a for a in plan_swap(facts(own=short)) if isinstance(a, Refuse)]
+    assert refused == [Refuse(B.stem, "it has 10 bytes, its sidecar says 20", "bad_file",
+                              quarantine=True)]
+    unrecorded = FileFacts(B.stem, True, {"made_by": MADE_BY})
+    assert [a.metric for a in plan_swap(facts(own=unrecorded)) if isinstance(a, Refuse)] == [None]
+
+
+def test_eviction_with_save_only_a_persistent_session_is_saved_first():
+    side = replace(HOLDS_A, persistent=False)
+    assert plan_swap(facts(state=side))[0] == Claim(0, B), "a side request's slot is not saved"
+    assert plan_swap(facts(state=SlotState()))[0] == Claim(0, B), "an empty slot"
+    assert plan_swap(facts())[0] == Save(0, HOLDS_A)
+
+
+def test_restoring_off_restores_nothing_and_makes_no_base():
+    assert plan_swap(facts(own=saved(B.stem), restoring_off=True)) == [
+        Save(0, HOLDS_A), Claim(0, B), Erase(0), Record(0, B)]
+
+
+def test_a_side_session_never_restores():
+    side = Session("side", "side", persistent=False)
+    assert plan_swap(facts(session=side, own=saved(side.stem))) == [
+        Save(0, HOLDS_A), Claim(0, side), Erase(0), Record(0, side)]
+
+
+def test_after_an_answer_a_persistent_session_has_unsaved_turns():
+    ours = HOLDS_A.to(Phase.OURS)
+    done = after_answer(ours, A, HIT, held=52, timed=True, used_at="t2", several_slots=False,
+                        since_written=0.0)
+    assert done.state == ours.to(Phase.UNSAVED, tokens=52, used_at="t2")
+    assert not done.verify_restore and done.count_hit
+    restored = after_answer(ours, A, RESTORED, held=40, timed=True, used_at="t2",
+                            several_slots=False, since_written=0.0)
+    assert restored.verify_restore
+    unproven = HOLDS_A.to(Phase.UNPROVEN)
+    assert after_answer(unproven, A, HIT, 40, True, "t2", False, 0.0).state is None, \
+        "an unproven slot stays unproven"
+
+
+def test_a_hit_writes_its_last_use_alone_at_most_once_a_second_and_only_with_several_slots():
+    same = HOLDS_A
+    assert after_answer(same, A, HIT, 40, True, "t2", several_slots=False,
+                        since_written=5.0).state is None
+    assert after_answer(same, A, HIT, 40, True, "t2", several_slots=True,
+                        since_written=0.5).state is None
+    assert after_answer(same, A, HIT, 40, True, "t2", several_slots=True,
+                        since_written=1.0).state == replace(same, used_at="t2")
