@@ -25,7 +25,7 @@ forwarded_allow_ips = os.environ.get("KVPROXY_FORWARDED_ALLOW_IPS", "127.0.0.1,:
 accesslog = "-"
 errorlog = "-"
 loglevel = os.environ.get("KVPROXY_LOG_LEVEL", "info").lower()
-# Two copies may run side by side (see the README); a shared control socket would collide.
+# Two copies may run side by side (see docs/operations.md); a shared control socket would collide.
 control_socket_disable = True
 
 

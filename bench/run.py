@@ -7,13 +7,13 @@ Runs the same multi-conversation workload, with a restart halfway, against
 each with its own llama-server and a fresh slot folder, one after the other.
 Then, on the (b) stack: proxy overhead without a swap, streaming relay, worker
 memory; on a bare llama-server: slot save/restore speed by file size.
-Writes bench/results/<name>.json and .png and the README section between
+Writes bench/results/<name>.json and .png and the docs/benchmark.md section between
 ``<!-- bench:start -->`` and ``<!-- bench:end -->``.
 
 Then the concurrency scenario (bench/concurrency.py; ``--scenario concurrency`` runs it
 alone, ``make bench-concurrency``): several users at once against llama-server ``-np N``
 straight, kvproxy with one slot and kvproxy with N slots, plus llama-batched-bench.
-It writes bench/results/concurrency.json and .png and the README section between
+It writes bench/results/concurrency.json and .png and the docs/benchmark.md section between
 ``<!-- bench-concurrency:start -->`` and ``<!-- bench-concurrency:end -->``.
 """
 from __future__ import annotations
@@ -38,6 +38,13 @@ from .procs import ROOT, Mode, Proxy
 from .workload import account_tokens, build_conversations, run_workload
 
 RESULTS = ROOT / "bench" / "results"
+PAGE = ROOT / "docs" / "benchmark.md"
+
+
+def page_link(path: Path) -> str:
+    """A results file as docs/benchmark.md links it."""
+    return Path(os.path.relpath(path, PAGE.parent)).as_posix()
+
 
 FULL = dict(prompt_tokens="2000,4000,6000", turns=4, restart_after=2, max_tokens=32,
             io_sizes="512,1024,2048,4096,6144", io_repeats=3, overhead_requests=100,
@@ -106,10 +113,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--read-timeout", type=float, default=600,
                    help="seconds a request may stay silent (prefill included)")
     p.add_argument("--name", help="results file name (default: latest, quick: quick)")
-    p.add_argument("--readme", dest="readme", action="store_true", default=None,
-                   help="rewrite the README section (default for full runs)")
-    p.add_argument("--no-readme", dest="readme", action="store_false")
-    p.add_argument("--from-json", help="only re-render the report, plot and README section from "
+    p.add_argument("--page", "--readme", dest="page", action="store_true", default=None,
+                   help="rewrite the section of docs/benchmark.md (default for full runs)")
+    p.add_argument("--no-page", "--no-readme", dest="page", action="store_false")
+    p.add_argument("--from-json", help="only re-render the report, plot and page section from "
                    "a results JSON file (no processes are started)")
     p.add_argument("--strict", action="store_true", help="exit with status 3 when a target fails")
     p.add_argument("--keep", action="store_true", help="keep the temporary slot folders and logs")
@@ -119,8 +126,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.readme is None:
-        args.readme = not args.quick
+    if args.page is None:
+        args.page = not args.quick
     args.name = args.name or ("quick" if args.quick else "latest")
     args.prompt_sizes = [int(x) for x in str(args.prompt_tokens).split(",") if x.strip()]
     args.io_size_list = [int(x) for x in str(args.io_sizes).split(",") if x.strip()]
@@ -296,15 +303,15 @@ def concurrency_scenario(args: argparse.Namespace, argv: list[str] | None, log) 
     if conc.get("interrupted"):
         if not any(g.get("summaries") for g in conc.get("groups") or []):
             return 1
-        log("publishing what was measured before the interruption (README left alone)")
-        publish_concurrency(conc, args, log, name + "-interrupted", readme=False)
+        log("publishing what was measured before the interruption (docs/benchmark.md left alone)")
+        publish_concurrency(conc, args, log, name + "-interrupted", page=False)
         return 1
     return publish_concurrency(conc, args, log, name)
 
 
 def publish_concurrency(conc: dict, args: argparse.Namespace, log, name: str,
-                        readme: bool | None = None) -> int:
-    """Targets, the printed report, results/<name>.json|.png|.md and the README section."""
+                        page: bool | None = None) -> int:
+    """Targets, the printed report, results/<name>.json|.png|.md and the docs/benchmark.md section."""
     conc["groups"] = [g for g in conc.get("groups") or [] if g.get("summaries")]
     conc["targets"] = concurrency_targets(conc["groups"], conc["settings"]["slots"],
                                           conc.get("overhead"), conc.get("slot_path"))
@@ -316,14 +323,13 @@ def publish_concurrency(conc: dict, args: argparse.Namespace, log, name: str,
     tmp.write_text(json.dumps(conc, indent=1, default=str))
     os.replace(tmp, json_path)
     log(f"wrote {json_path.relative_to(ROOT)} and {png_path.relative_to(ROOT)}")
-    section = concurrency_report.readme_section(conc, png_path.relative_to(ROOT).as_posix())
+    section = concurrency_report.page_section(conc, page_link(png_path))
     (RESULTS / f"{name}.md").write_text(section + "\n")
-    if args.readme if readme is None else readme:
-        if report.update_readme(ROOT / "README.md", section, concurrency_report.START,
-                                concurrency_report.END):
-            log("README.md: concurrency section rewritten")
+    if args.page if page is None else page:
+        if report.update_page(PAGE, section, concurrency_report.START, concurrency_report.END):
+            log("docs/benchmark.md: concurrency section rewritten")
         else:
-            log("README.md has no concurrency markers; the section is in "
+            log("docs/benchmark.md has no concurrency markers; the section is in "
                 f"{(RESULTS / (name + '.md')).relative_to(ROOT)}")
     failed = [t for t in conc["targets"] if t["status"] == "FAIL"]
     log("concurrency targets: " + ", ".join(f"{t['id']} {t['status']}" for t in conc["targets"]))
@@ -425,8 +431,8 @@ def main_scenario(args: argparse.Namespace, argv: list[str] | None, log) -> int:
             log(f"kept {work}")
     if not ok:
         if run["workload"]:
-            log("publishing what was measured before the interruption (README left alone)")
-            args.name, args.readme = args.name + "-interrupted", False
+            log("publishing what was measured before the interruption (docs/benchmark.md left alone)")
+            args.name, args.page = args.name + "-interrupted", False
             run["loadavg_end"] = loadavg()
             run["duration_seconds"] = round(time.monotonic() - started, 1)
             publish(run, args, log)
@@ -438,7 +444,7 @@ def main_scenario(args: argparse.Namespace, argv: list[str] | None, log) -> int:
 
 
 def publish(run: dict, args: argparse.Namespace, log) -> int:
-    """Targets, the printed report, results/<name>.json|.png|.md and the README section."""
+    """Targets, the printed report, results/<name>.json|.png|.md and the docs/benchmark.md section."""
     run["targets"] = report.targets(run)
     text = report.text_report(run)
     log("\n" + text)
@@ -449,13 +455,13 @@ def publish(run: dict, args: argparse.Namespace, log) -> int:
     tmp.write_text(json.dumps(run, indent=1, default=str))
     os.replace(tmp, json_path)
     log(f"wrote {json_path.relative_to(ROOT)} and {png_path.relative_to(ROOT)}")
-    section = report.readme_section(run, png_path.relative_to(ROOT).as_posix())
+    section = report.page_section(run, page_link(png_path))
     (RESULTS / f"{args.name}.md").write_text(section + "\n")
-    if args.readme:
-        if report.update_readme(ROOT / "README.md", section):
-            log("README.md: benchmark section rewritten")
+    if args.page:
+        if report.update_page(PAGE, section):
+            log("docs/benchmark.md: benchmark section rewritten")
         else:
-            log("README.md has no <!-- bench:start --> / <!-- bench:end --> markers; the section "
+            log("docs/benchmark.md has no <!-- bench:start --> / <!-- bench:end --> markers; the section "
                 f"is in {(RESULTS / (args.name + '.md')).relative_to(ROOT)}:\n\n{section}")
     failed = [t for t in run["targets"] if t["status"] == "FAIL"]
     log("targets: " + ", ".join(f"{t['id']} {t['status']}" for t in run["targets"]))

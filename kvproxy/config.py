@@ -2,8 +2,8 @@
 
 Settings come from ``KVPROXY_*`` environment variables (or a dict in tests).
 A bad value stops start-up with a one-line message naming the variable.
-The README's configuration table is generated from ``SETTINGS`` and a test
-keeps the two in step.
+The configuration table of docs/configuration.md is generated from ``SETTINGS``
+and a test keeps the two in step.
 """
 from __future__ import annotations
 
@@ -223,7 +223,7 @@ def check_slot_dir(path: str) -> None:
 
 
 def markdown_table() -> str:
-    """The README's configuration table."""
+    """The configuration table of docs/configuration.md."""
     rows = ["| Variable | Default | Meaning |", "| --- | --- | --- |"]
     for setting in SETTINGS:
         default = f"`{setting.default}`" if setting.default else "(empty)"

@@ -198,7 +198,7 @@ def test_batched_bench_lines_are_parsed_with_the_speedup():
     assert "not shipped" in batched.table({"error": "not shipped", "rows": []})
 
 
-def test_report_renders_tables_plot_and_readme_section(tmp_path):
+def test_report_renders_tables_plot_and_page_section(tmp_path):
     from bench import concurrency_report
 
     turns = [turn("U1", 0, 0.0, 2.0, A1, reply=[20, 21], ttft=1.0, session="s1"),
@@ -222,7 +222,7 @@ def test_report_renders_tables_plot_and_readme_section(tmp_path):
     assert "| computed / minimum | 1.00x |" in text
     assert "Failed modes: a: RuntimeError" in text
     assert "| 1 | 10 | 5.0 | 1.00x |" in text
-    section = concurrency_report.readme_section(conc, "bench/results/x.png")
+    section = concurrency_report.page_section(conc, "../bench/results/x.png")
     assert section.startswith(concurrency_report.START) and section.endswith(concurrency_report.END)
     concurrency_report.plot(conc, tmp_path / "x.png")
     assert (tmp_path / "x.png").stat().st_size > 1000
