@@ -1,6 +1,7 @@
 """Several slots on a stubbed llama-server: placement carried out, pinning, busy slots never
 touched, processes sharing the folder, and the single-slot state file migrated."""
 import json
+import re
 import threading
 import time
 from types import SimpleNamespace
@@ -12,7 +13,10 @@ from kvproxy import create_app
 from kvproxy.sessions.identity import Session
 from kvproxy.upstream.llama import LlamaClient
 from kvproxy.slots.state import SlotState
-from kvproxy.storage.store import STATE_FILE, STATE_FORMAT, SessionStore, StateFormatError, now_iso
+from kvproxy.storage.store import (STATE_FILE, STATE_FORMAT, SessionStore, StateFormatError,
+                                    now_iso)
+from kvproxy.slots.placement import FREE
+from kvproxy.slots.pool import Taken
 from kvproxy.slots.switch import HIT, MISS, RESTORED, ClientGone, SlotBusy, SlotSwitch
 from tests.fake_llama import UPSTREAM, FakeLlama
 from tests.test_switch_records import metric
@@ -236,7 +240,7 @@ def place_first_in_slot_1(switch, monkeypatch, first_wait=lambda: False):
     def placed_before_the_table_changed(slot_ids, key, side, timeout=None):
         if stale.pop() if stale else False:
             switch.pool.lock(1).acquire()
-            return 1, first_wait()
+            return Taken(1, first_wait(), FREE)
         return take(slot_ids, key, side, timeout=timeout)
     monkeypatch.setattr(switch.pool, "take", placed_before_the_table_changed)
 
@@ -654,3 +658,13 @@ def test_a_fresh_chat_that_made_a_base_snapshot_is_not_judged_as_a_restore(mock,
 def typed(table: dict) -> dict:
     """A state table written as entries of the state file, as typed slot states."""
     return {slot: SlotState.from_entry(entry) for slot, entry in table.items()}
+
+
+def test_the_swap_log_says_why_the_slot_was_chosen(mock, tmp_path, caplog):
+    fake = fake_with(mock, tmp_path, 2)
+    switch = switch_over(tmp_path)
+    with caplog.at_level("INFO", logger="kvproxy.switch"):
+        for session in (A, B, C, B):
+            answer(switch, session, fake)
+    assert re.findall(r"placed=(\w+)", caplog.text) == ["free", "free", "evict"], \
+        "A and B in the empty slots, C in the least recently used; B again is a hit"

@@ -15,7 +15,7 @@ from tests.fake_llama import fake, make_switch  # noqa: F401 - fake is a fixture
 def test_a_full_queue_advises_retrying_after_the_bound_kept_within_1_to_30_s(
         tmp_path, bound, advised):
     pool = SlotPool(SessionStore(tmp_path), timeout=300, max_waiters=0)
-    held, _ = pool.take([0], "A", False)
+    held = pool.take([0], "A", False).slot
     refused = rejected("queue_full")
     try:
         with pytest.raises(SlotBusy) as busy:
@@ -29,7 +29,7 @@ def test_a_full_queue_advises_retrying_after_the_bound_kept_within_1_to_30_s(
 def test_without_a_bound_of_its_own_a_request_waits_as_long_as_the_pool_says(tmp_path):
     pool = SlotPool(SessionStore(tmp_path), timeout=0.3, max_waiters=4)
     waits = metrics.REGISTRY.get_sample_value("kvproxy_lock_wait_seconds_sum") or 0
-    held, _ = pool.take([0], "A", False)
+    held = pool.take([0], "A", False).slot
     assert 0 <= metrics.REGISTRY.get_sample_value("kvproxy_lock_wait_seconds_sum") - waits < 1
     timed_out = rejected("timeout")
     started = time.monotonic()

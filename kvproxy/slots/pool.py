@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import NamedTuple
 
 from kvproxy.ops import metrics
 from kvproxy.slots.placement import facts_from_table, queue_order
@@ -24,6 +25,12 @@ from kvproxy.slots.state import SlotTable
 from kvproxy.storage.store import SessionStore
 
 POLL = 0.1  # seconds between looks at slots other processes may have freed
+
+
+class Taken(NamedTuple):
+    slot: int
+    waited: bool
+    placed: str  # placement's reason: HOLDER, FREE or EVICT
 
 
 class _Waiter:
@@ -66,9 +73,9 @@ class SlotPool:
         return {slot for slot, lock in self._locks.items() if lock.held_here()} | elsewhere
 
     def take(self, slot_ids: list[int], key: str | None, side: bool,
-             timeout: float | None = None) -> tuple[int, bool]:
+             timeout: float | None = None) -> "Taken":
         """Lease the slot ``placement`` picks for ``key``; wait (bounded) when none can be
-        had. Returns ``(slot, waited)``. Raises ``SlotBusy`` (bound reached, queue full) or
+        had. Returns the slot, whether the request waited and why that slot. Raises ``SlotBusy`` (bound reached, queue full) or
         ``SlotUnavailable`` (the lock cannot be taken at all)."""
         bound = self.timeout if timeout is None else timeout
         started = time.monotonic()
@@ -89,7 +96,7 @@ class SlotPool:
                     lock = self.lock(decision.slot)
                     if lock.try_acquire():
                         metrics.LOCK_WAIT.observe(time.monotonic() - started)
-                        return decision.slot, waited
+                        return Taken(decision.slot, waited, decision.action)
                     if not lock.held_here():  # another process holds it: look elsewhere
                         with self._cond:
                             self._elsewhere[decision.slot] = time.monotonic() + POLL

@@ -140,8 +140,9 @@ class SlotSwitch:
         deadline = time.monotonic() + self.lock_timeout
         waited_before = False
         while True:
-            slot, waited = self.pool.take(self.slot_ids(), session.key, not session.persistent,
-                                          timeout=max(0.0, deadline - time.monotonic()))
+            slot, waited, placed = self.pool.take(
+                self.slot_ids(), session.key, not session.persistent,
+                timeout=max(0.0, deadline - time.monotonic()))
             waited = waited or waited_before
             taken_at = time.monotonic()
             try:
@@ -150,7 +151,7 @@ class SlotSwitch:
                     log.info("client of session %s left while waiting for the slot: no swap",
                              session.id)
                     raise ClientGone()
-                lease = self._swap_to(session, prompt, slot)
+                lease = self._swap_to(session, prompt, slot, placed)
             except HeldElsewhere:
                 self.pool.give_back(slot)
                 waited_before = True
@@ -253,7 +254,8 @@ class SlotSwitch:
         """Save the session ``state`` says ``slot`` holds into its own file (caller holds it)."""
         return self.executor.save_session(slot, state, made_by, keep)
 
-    def _swap_to(self, session: Session, prompt: PromptView | None, slot: int) -> Lease:
+    def _swap_to(self, session: Session, prompt: PromptView | None, slot: int,
+                 placed: str = "") -> Lease:
         state = self.table.get(slot)
         view = self.slot_view(state, slot, trust_connection=state.key == session.key)
         if plan.is_hit(state, session.key, view):
@@ -270,8 +272,8 @@ class SlotSwitch:
         metrics.SLOT_SWAPS.labels(str(slot), filled.cache).inc()
         swap_ms = (time.monotonic() - started) * 1000
         log.info("swap to session=%s source=%s cache=%s slot=%s restored_tokens=%d swap_ms=%.1f "
-                 "id_slot=%d", session.id, session.source, filled.cache, view, filled.tokens,
-                 swap_ms, slot)
+                 "id_slot=%d placed=%s", session.id, session.source, filled.cache, view,
+                 filled.tokens, swap_ms, slot, placed or "admin")
         return Lease(session, filled.cache, filled.tokens, swap_ms, filled.stem, made_by,
                      prompt, slot=slot)
 
