@@ -37,7 +37,7 @@ from bench.procs import Proxy
 from bench.workload import long_text
 from kvproxy.sessions.identity import normalise_id
 from kvproxy.launch.processes import LlamaServer
-from kvproxy.slots.switch import header_safe
+from kvproxy.slots.lease import header_safe
 
 APIS = ("openai", "anthropic", "ollama")
 OLLAMA_MODEL = ["?"]  # the served name, read from /api/tags at start

@@ -11,7 +11,7 @@ import responses
 from kvproxy import create_app
 from kvproxy.sessions import identity
 from kvproxy.storage.store import SessionStore
-from kvproxy.slots.switch import header_safe
+from kvproxy.slots.lease import header_safe
 from tests.fake_llama import UPSTREAM, FakeLlama
 
 HOSTILE = {

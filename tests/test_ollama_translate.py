@@ -20,7 +20,8 @@ from kvproxy.upstream import gguf
 from kvproxy.translate import ollama_model
 from kvproxy.translate import ollama as tr
 from kvproxy.upstream.llama import UpstreamError
-from kvproxy.slots.switch import Lease, SlotBusy
+from kvproxy.slots.lease import Lease
+from kvproxy.slots.switch import SlotBusy
 
 PNG = base64.b64encode(b"\x89PNG\r\n\x1a\n" + bytes(24)).decode()
 

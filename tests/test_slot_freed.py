@@ -12,7 +12,7 @@ from kvproxy.web import relay as relay_module
 from kvproxy.translate import anthropic as anthropic_translate, ollama as ollama_translate
 from kvproxy.web import common, openai
 from kvproxy.upstream.llama import LlamaClient
-from kvproxy.slots.switch import Lease
+from kvproxy.slots.lease import Lease
 from tests.fake_llama import UPSTREAM, FakeLlama
 
 MESSAGES = [{"role": "user", "content": "hi"}]

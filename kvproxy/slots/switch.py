@@ -12,14 +12,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
-from urllib.parse import quote
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 from kvproxy.ops import metrics
 from kvproxy.ops.activity import RecentActivity
 from kvproxy.sessions.identity import DEFAULT_SESSION, Session, file_stem
 from kvproxy.slots import plan
+from kvproxy.slots.lease import Lease
 from kvproxy.slots.executor import (MIN_BASE_TOKENS, HeldElsewhere, PromptView,  # noqa: F401
                                     SlotExecutor)
 from kvproxy.slots.lock import ClientGone, SlotBusy, SlotLock, SlotUnavailable
@@ -35,36 +34,8 @@ from kvproxy.upstream.llama import LlamaClient, UpstreamError, UpstreamUnavailab
 log = logging.getLogger("kvproxy.switch")
 
 __all__ = ["SlotSwitch", "Lease", "SlotBusy", "SlotUnavailable", "ClientGone", "HIT", "RESTORED",
-           "BASE", "MISS", "header_safe", "judge_slot", "fingerprint", "fingerprint_key", "OURS",
+           "BASE", "MISS", "judge_slot", "fingerprint", "fingerprint_key", "OURS",
            "EMPTY", "FOREIGN", "UNKNOWN"]
-
-
-@dataclass
-class Lease:
-    """The slot, held for one request."""
-
-    session: Session
-    cache: str
-    restored_tokens: int = 0
-    swap_ms: float = 0.0
-    restored_stem: str | None = None
-    made_by: dict | None = None  # what llama-server runs, when the swap asked
-    prompt: PromptView | None = field(default=None, repr=False)  # for the restore check
-    slot: int = 0                      # the llama-server slot it runs in (pin with id_slot)
-    leased_at: float = 0.0             # monotonic time the slot was taken
-    _release: Any = field(default=None, repr=False)
-
-    def headers(self) -> dict[str, str]:
-        return {"X-KVProxy-Session": header_safe(self.session.id), "X-KVProxy-Cache": self.cache}
-
-
-def header_safe(text: str) -> str:
-    """An id as an HTTP header value: printable ASCII as is, anything else percent-encoded,
-    so a hostile id from a request body can neither break nor inject response headers."""
-    if text.isascii() and text.isprintable() and "%" not in text:
-        return text
-    # backslashreplace: a lone surrogate cannot be UTF-8 encoded and must not raise here.
-    return quote(text.encode("utf-8", "backslashreplace"), safe="")
 
 
 class SlotSwitch:

@@ -26,7 +26,8 @@ from kvproxy.slots.state import SlotState
 from kvproxy.storage.store import StorageError
 
 if TYPE_CHECKING:
-    from kvproxy.slots.switch import Lease, SlotSwitch
+    from kvproxy.slots.lease import Lease
+    from kvproxy.slots.switch import SlotSwitch
 
 log = logging.getLogger("kvproxy.switch")
 

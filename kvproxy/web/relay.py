@@ -16,7 +16,8 @@ from typing import Any, Callable, Iterator, Mapping
 from kvproxy.sessions import identity
 from kvproxy.config import Settings
 from kvproxy.upstream.llama import LlamaClient, sse_events
-from kvproxy.slots.switch import Lease, SlotSwitch
+from kvproxy.slots.lease import Lease
+from kvproxy.slots.switch import SlotSwitch
 from kvproxy.slots.unpinned import protect_other_slots
 
 MODEL_FACTS_TTL = 10.0
