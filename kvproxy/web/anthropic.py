@@ -11,7 +11,7 @@ from flask import Blueprint, Response, jsonify, request
 
 from kvproxy.web.relay import ChatCall
 from kvproxy.translate import anthropic as translate
-from kvproxy.web.common import HANDLED, BadRequest, failure, json_body, relay, serve_chat
+from kvproxy.web.common import HANDLED, failure, json_body, relay, serve_chat
 
 blueprint = Blueprint("anthropic", __name__)
 
@@ -25,12 +25,9 @@ def render_error(status: int, message: str, headers: dict | None = None) -> Resp
 
 
 def _read(count_only: bool) -> tuple[dict, dict]:
-    """The client's body and its llama-server translation, or BadRequest."""
+    """The client's body and its llama-server translation, or ClientError."""
     body = json_body()
-    try:
-        return body, translate.to_llama(body, count_only=count_only)
-    except translate.InvalidRequest as exc:
-        raise BadRequest(str(exc)) from exc
+    return body, translate.to_llama(body, count_only=count_only)
 
 
 @blueprint.post("/v1/messages")

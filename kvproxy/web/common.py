@@ -8,10 +8,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 from flask import Response, current_app, request
 
-from kvproxy.upstream.llama import UpstreamError, UpstreamUnavailable
-from kvproxy.web.relay import ChatCall, Relay, ShuttingDown
-from kvproxy.slots.lock import SlotUnavailable
-from kvproxy.storage.store import StorageError
+from kvproxy.errors import ClientError, KvproxyError, ShuttingDown, UpstreamError, UpstreamUnavailable
+from kvproxy.web.relay import ChatCall, Relay
 from kvproxy.translate import strict_json
 
 log = logging.getLogger("kvproxy.dialects")
@@ -19,49 +17,24 @@ log = logging.getLogger("kvproxy.dialects")
 Failure = tuple[int, str, dict]
 
 
-class BadRequest(ValueError):
-    """The client's request cannot be served as sent."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
 def relay() -> Relay:
     return current_app.extensions["kvproxy.relay"]
 
 
 def json_body() -> dict:
-    """The request's JSON object, or BadRequest with a message a person can act on."""
-    try:
-        data = strict_json.parse(request.get_data(cache=True))
-    except strict_json.Refused as exc:
-        raise BadRequest(str(exc)) from None
+    """The request's JSON object, or ClientError with a message a person can act on."""
+    data = strict_json.parse(request.get_data(cache=True))
     if not isinstance(data, dict):
-        raise BadRequest("request body must be a JSON object")
+        raise ClientError("request body must be a JSON object")
     return data
 
 
 def failure(exc: Exception) -> Failure:
     """Status, message and extra headers for an exception on the way to llama-server."""
-    if isinstance(exc, BadRequest):
-        return exc.status, exc.message, {}
-    if isinstance(exc, SlotUnavailable):
-        return exc.status, str(exc), {"Retry-After": str(exc.retry_after)}
-    if isinstance(exc, StorageError):
-        return 503, f"kvproxy cannot use its slot folder: {exc}", {"Retry-After": str(exc.retry_after)}
-    if isinstance(exc, UpstreamUnavailable):
-        return 502, f"{exc}; check that llama-server is running and KVPROXY_UPSTREAM points at it", {}
-    if isinstance(exc, UpstreamError):
-        return exc.status, f"llama-server: {exc.message}", {}
-    if isinstance(exc, ShuttingDown):
-        return 503, str(exc), {"Retry-After": "5"}
-    raise exc
+    return exc.status, exc.client_message, exc.headers
 
 
-HANDLED = (BadRequest, SlotUnavailable, StorageError, UpstreamUnavailable, UpstreamError,
-           ShuttingDown)
+HANDLED = (KvproxyError,)
 CLOSERS = "kvproxy.slot_closers"
 
 

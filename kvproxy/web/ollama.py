@@ -17,9 +17,10 @@ from flask import Blueprint, Response, current_app, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from kvproxy.upstream.llama import UpstreamError
+from kvproxy.errors import ClientError, KvproxyError
 from kvproxy.web.relay import ChatCall
 from kvproxy.translate import ollama as tr
-from kvproxy.web.common import HANDLED, BadRequest, failure, json_body, relay, serve_chat
+from kvproxy.web.common import HANDLED, failure, json_body, relay, serve_chat
 from kvproxy.translate.ollama_model import describe
 
 blueprint = Blueprint("ollama", __name__)
@@ -56,7 +57,7 @@ def answers_errors(view: Callable) -> Callable:
     def wrapped(*args, **kwargs):
         try:
             return view(*args, **kwargs)
-        except tr.Invalid as exc:
+        except ClientError as exc:
             return render_error(exc.status, exc.message)
         except HANDLED as exc:
             return render_error(*failure(exc))
@@ -72,10 +73,10 @@ def requested_model(body: dict, model: dict, field: str = "model") -> str:
     """The name the client asked for; it must be the served model, with or without its tag."""
     name = body.get(field) or (body.get("name") if field == "model" else None)
     if not isinstance(name, str) or not name.strip():
-        raise tr.Invalid(f"'{field}' is required")
+        raise ClientError(f"'{field}' is required")
     accepted = {model["name"].lower(), model["base"].lower(), model["upstream_id"].lower()}
     if name.strip().lower() not in accepted:
-        raise tr.Invalid(f"model '{name}' not found", 404)
+        raise ClientError(f"model '{name}' not found", 404)
     return name
 
 
@@ -85,7 +86,7 @@ def _stream_flag(body: dict) -> bool:
     if stream is None:
         return True
     if not isinstance(stream, bool):
-        raise tr.Invalid("'stream' must be true or false")
+        raise ClientError("'stream' must be true or false")
     return stream
 
 
@@ -179,7 +180,7 @@ def _embed(inputs: list[str], model: dict) -> tuple[list[list[float]], int]:
                                                       "model": model["upstream_id"]})
     except UpstreamError as exc:
         if exc.status == 501 or "--embeddings" in exc.message:
-            raise tr.Invalid(NO_EMBEDDINGS, 501) from None
+            raise KvproxyError(NO_EMBEDDINGS, 501) from None
         raise
     data = sorted(result.get("data") or [], key=lambda item: item.get("index", 0))
     return [item.get("embedding") or [] for item in data], \
@@ -207,7 +208,7 @@ def embed(field: str) -> Response:
     inputs = body.get(field) or []
     inputs = [inputs] if isinstance(inputs, str) else inputs
     if not isinstance(inputs, list) or not all(isinstance(i, str) for i in inputs):
-        raise tr.Invalid(f"'{field}' must be a string or a list of strings")
+        raise ClientError(f"'{field}' must be a string or a list of strings")
     vectors, tokens = _embed(inputs, model) if inputs else ([], 0)
     if field == "prompt":
         return jsonify({"embedding": vectors[0] if vectors else []})
@@ -226,10 +227,10 @@ def pull() -> Response:
     model = describe()
     try:
         requested_model(body, model)
-    except tr.Invalid as exc:
+    except ClientError as exc:
         if exc.status != 404:
             raise
-        raise tr.Invalid(f"{exc.message}: " + ONE_MODEL.format(
+        raise ClientError(f"{exc.message}: " + ONE_MODEL.format(
             name=model["name"], action="pull other"), 404) from None
     if not _stream_flag(body):
         return jsonify({"status": "success"})
@@ -256,8 +257,8 @@ def manage(action: str, field: str | None, digest: str = "") -> Response:
                             {"Connection": "close"})
     try:
         body = json_body()
-    except BadRequest:
+    except ClientError:
         body = None
     if field and isinstance(body, dict) and (body.get(field) or body.get("name")):
         requested_model(body, model, field)
-    raise tr.Invalid(ONE_MODEL.format(name=model["name"], action=action))
+    raise ClientError(ONE_MODEL.format(name=model["name"], action=action))

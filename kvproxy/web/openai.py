@@ -11,8 +11,9 @@ from typing import Iterable, Iterator
 
 from flask import Blueprint, Response, jsonify, request
 
+from kvproxy.errors import ClientError
 from kvproxy.web.relay import ChatCall
-from kvproxy.web.common import HANDLED, BadRequest, failure, json_body, relay, serve_chat
+from kvproxy.web.common import HANDLED, failure, json_body, relay, serve_chat
 
 blueprint = Blueprint("openai", __name__)
 
@@ -47,10 +48,10 @@ def _serve(path: str, required: str, kinds: tuple[type, ...]) -> Response:
     try:
         body = json_body()
         if required not in body:
-            raise BadRequest(f"'{required}' is required")
+            raise ClientError(f"'{required}' is required")
         # Empty is llama-server's to judge: it answers an empty 'messages' list.
         if not isinstance(body[required], kinds):
-            raise BadRequest(f"'{required}' must be "
+            raise ClientError(f"'{required}' must be "
                              + " or ".join("an array" if k is list else "a string" for k in kinds))
     except HANDLED as exc:
         return render_error(*failure(exc))

@@ -23,7 +23,9 @@ import hmac
 import requests
 from flask import Blueprint, Response, current_app, request
 
+from kvproxy.errors import UpstreamUnavailable
 from kvproxy.sessions.identity import SIDE_SESSION, Session
+from kvproxy.upstream.llama import LlamaClient
 from kvproxy.web.relay import pinned
 from kvproxy.slots.unpinned import protect_other_slots
 from kvproxy.web.common import HANDLED, failure, relay
@@ -97,7 +99,7 @@ def _forward(route: Route) -> Response:
         upstream = _send(None)
     except HANDLED as exc:
         return render_error(*failure(exc))
-    response = Response(_chunks(upstream), status=upstream.status_code,
+    response = Response(_chunks(relay().client, upstream), status=upstream.status_code,
                         headers=_kept_headers(upstream), direct_passthrough=True)
     response.call_on_close(upstream.close)
     return response
@@ -115,15 +117,9 @@ def _forward_side() -> Response:
     try:
         with protect_other_slots(switch, lease):
             upstream = _send(lease)
-            try:
-                content = upstream.content
-            finally:
-                upstream.close()
+            content = relay().client.content(upstream)  # llama-server may go away mid-answer
     except HANDLED as exc:
         return render_error(*failure(exc))
-    except requests.RequestException as exc:  # llama-server went away mid-answer
-        return render_error(502, f"llama-server stopped answering {request.path}: "
-                                 f"{exc.__class__.__name__}")
     finally:
         switch.release(lease)
     return Response(content, status=upstream.status_code,
@@ -156,14 +152,12 @@ def pinned_data(data: bytes, lease) -> bytes:
     return json.dumps(pinned(body, lease.slot)).encode() if isinstance(body, dict) else data
 
 
-def _chunks(upstream: requests.Response) -> Iterator[bytes]:
+def _chunks(client: LlamaClient, upstream: requests.Response) -> Iterator[bytes]:
     """llama-server's answer as it comes; a broken read ends it (the status is already sent)."""
     try:
-        yield from upstream.iter_content(chunk_size=None)
-    except requests.RequestException:
+        yield from client.chunks(upstream)
+    except UpstreamUnavailable:
         return
-    finally:
-        upstream.close()
 
 
 def _register() -> None:
