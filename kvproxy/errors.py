@@ -52,9 +52,11 @@ class ClientError(KvproxyError):
     status = 400
 
 
-def internal_error(method: str, path: str) -> KvproxyError:
-    """The one 500 a client sees for a bug, page or stream alike: the details are in the log."""
-    return KvproxyError(f"{method} {path}: {INTERNAL}", 500)
+class InternalError(KvproxyError):
+    """A bug: the one 500 a client sees, page or stream alike; the details are in the log."""
+
+    def __init__(self, method: str, path: str):
+        super().__init__(f"{method} {path}: {INTERNAL}", 500)
 
 
 # -- llama-server (kvproxy.upstream.llama) -------------------------------------

@@ -1,4 +1,4 @@
-"""What every dialect does the same way: read the body, run the call, map failures."""
+"""What every dialect does the same way: read the body, run the call, hold the slot."""
 from __future__ import annotations
 
 import logging
@@ -8,14 +8,11 @@ from typing import Any, Callable, Iterable, Iterator
 
 from flask import Response, current_app, request
 
-from kvproxy.errors import ClientError, KvproxyError, ShuttingDown, UpstreamError, UpstreamUnavailable
+from kvproxy.errors import ClientError, InternalError, KvproxyError
 from kvproxy.web.relay import ChatCall, Relay
 from kvproxy.translate import strict_json
 
 log = logging.getLogger("kvproxy.dialects")
-
-Failure = tuple[int, str, dict]
-
 
 def relay() -> Relay:
     return current_app.extensions["kvproxy.relay"]
@@ -29,12 +26,6 @@ def json_body() -> dict:
     return data
 
 
-def failure(exc: Exception) -> Failure:
-    """Status, message and extra headers for an exception on the way to llama-server."""
-    return exc.status, exc.client_message, exc.headers
-
-
-HANDLED = (KvproxyError,)
 CLOSERS = "kvproxy.slot_closers"
 
 
@@ -135,7 +126,6 @@ def client_still_there() -> Callable[[], bool]:
 def serve_chat(call: ChatCall, *, stream: bool,
                render_full: Callable[[dict], Any],
                render_stream: Callable[[Iterable[tuple[bytes, dict | None]]], Iterator[bytes]],
-               render_error: Callable[[int, str, dict], Response],
                render_stream_error: Callable[[int, str], bytes],
                mimetype: str) -> Response:
     """Run ``call`` and answer in the dialect's format, streamed or whole.
@@ -143,36 +133,35 @@ def serve_chat(call: ChatCall, *, stream: bool,
     Either kind holds the slot until the server closes the response: a whole
     answer once it is sent (its bookkeeping then runs off the client's wait),
     a stream after its last byte or when the client goes away, which also
-    closes the upstream request.
+    closes the upstream request. Errors before the answer starts are raised (the
+    app's error handler answers them); a stream that started cannot change its
+    status, so it ends with an error event in the dialect's format instead.
     """
     if call.still_wanted is None:
         call.still_wanted = client_still_there()
-    try:
-        if not stream:
-            answer = relay().complete(call)
-            hold_slot_until_closed(answer.close)
-            try:
-                reply = render_full(answer.result)
-                response = reply if isinstance(reply, Response) else current_app.json.response(reply)
-                response.headers.update(answer.headers)
-            except BaseException:
-                answer.close()
-                raise
-            return response
-        exchange = relay().stream(call)
-        hold_slot_until_closed(exchange.close)
-    except HANDLED as exc:
-        return render_error(*failure(exc))
+    if not stream:
+        answer = relay().complete(call)
+        hold_slot_until_closed(answer.close)
+        try:
+            reply = render_full(answer.result)
+            response = reply if isinstance(reply, Response) else current_app.json.response(reply)
+            response.headers.update(answer.headers)
+        except BaseException:
+            answer.close()
+            raise
+        return response
+    exchange = relay().stream(call)
+    hold_slot_until_closed(exchange.close)
+    bug = InternalError(request.method, request.path)  # the stream runs after the request
 
     def body() -> Iterator[bytes]:
         try:
             yield from render_stream(exchange.events())
-        except (UpstreamError, UpstreamUnavailable, ShuttingDown) as exc:
-            status, message, _ = failure(exc)
-            yield render_stream_error(status, message)
+        except KvproxyError as exc:
+            yield render_stream_error(exc.status, exc.client_message)
         except Exception:  # a rendering bug must end the stream visibly, not silently
             log.exception("stream of session %s failed", exchange.lease.session.id)
-            yield render_stream_error(500, "internal error in kvproxy while streaming; see its log")
+            yield render_stream_error(bug.status, bug.message)
         finally:
             exchange.close()
 
