@@ -4,8 +4,8 @@ from __future__ import annotations
 from flask import Blueprint, Response, current_app, jsonify
 from prometheus_client import generate_latest, CONTENT_TYPE_LATEST
 
-from kvproxy.upstream.llama import UpstreamError, UpstreamUnavailable
 from kvproxy import routes
+from kvproxy.upstream.llama import UpstreamError, UpstreamUnavailable
 from kvproxy.ops.metrics import REGISTRY
 
 blueprint = Blueprint("ops", __name__)

@@ -14,6 +14,7 @@ from kvproxy.translate import strict_json
 
 log = logging.getLogger("kvproxy.dialects")
 
+
 def relay() -> Relay:
     return current_app.extensions["kvproxy.relay"]
 
