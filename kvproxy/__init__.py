@@ -67,6 +67,7 @@ def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
     api.register_blueprint(admin.blueprint)
     api.register_blueprint(admin.slots_blueprint)
     body_limit.init_app(app)
+    app.before_request(admin.require_token)  # after the body limit, as the routes' own checks
     errors.init_app(app, api)
     metrics.init_app(app)
     from kvproxy.ops import status  # GET /status and /api/status

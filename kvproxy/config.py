@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 
-class ConfigError(ValueError):
-    """A setting has a value kvproxy cannot use."""
+from kvproxy.errors import ConfigError  # imported from here too
 
 
 def _url(value: str) -> str:

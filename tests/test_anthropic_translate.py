@@ -12,6 +12,7 @@ import responses
 from anthropic.lib.streaming._messages import accumulate_event
 
 from kvproxy import create_app
+from kvproxy.errors import ClientError
 from kvproxy.translate import anthropic as t
 from kvproxy.slots.switch import SlotBusy
 
@@ -227,7 +228,7 @@ def test_structured_output_schema_becomes_a_response_format():
 ])
 def test_invalid_requests_name_the_field(fields, field):
     body = {k: v for k, v in request(**fields).items() if v is not None}
-    with pytest.raises(t.InvalidRequest, match=field):
+    with pytest.raises(ClientError, match=field):
         t.to_llama(body)
 
 

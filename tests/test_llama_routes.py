@@ -8,10 +8,9 @@ import json
 import pytest
 import responses
 
-from kvproxy import create_app
-from kvproxy.web.errors import renderer_for
-from kvproxy.web.openai import render_error as openai_error
-from kvproxy.web.passthrough import ROUTES, SIDE
+from flask import request
+
+from kvproxy import create_app, routes
 from tests.fake_llama import UPSTREAM, FakeLlama
 
 RESPONSE = {"id": "resp_1", "object": "response", "status": "completed", "output": [],
@@ -116,10 +115,12 @@ def test_native_completion_goes_to_the_native_route(app, fake, path):
 
 def test_every_passthrough_route_is_served(app):
     rules = {rule.rule: rule.methods for rule in app.url_map.iter_rules()}
-    for route in ROUTES:
-        for path in route.paths:
-            assert set(route.methods) <= rules[path], path
-            assert renderer_for(path) is openai_error, path
+    for route in routes.ROUTES:
+        if route.family != "passthrough":
+            continue
+        assert set(route.methods) <= rules[route.path], route.path
+        with app.test_request_context(route.path, method=route.methods[0]):
+            assert routes.error_shape(app.url_map, request) == routes.OPENAI, route.path
     for path in ("/infill", "/responses", "/v1/responses", "/completion", "/completions"):
         reply = app.test_client().get(path)  # wrong method: llama-server's error shape
         assert reply.status_code == 405 and reply.get_json()["error"]["type"], path
@@ -162,7 +163,7 @@ def test_side_routes_take_the_slot_as_a_side_request(app, fake):
     assert reply.get_json()["error"]["type"] == "not_supported_error"
     assert reply.headers["X-KVProxy-Session"] == "side"
     assert [a for a, _ in fake.actions][-2:] == ["save", "erase"]  # A saved, then the side task
-    assert [r.kind for r in ROUTES if "/v1/embeddings" in r.paths] == [SIDE]
+    assert routes.BY_PATH["/v1/embeddings"].endpoint == routes.SIDE
 
 
 def test_unreachable_llama_server_answers_in_openai_shape(tmp_path):

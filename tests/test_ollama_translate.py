@@ -16,6 +16,7 @@ import pytest
 import responses
 
 from kvproxy import create_app
+from kvproxy.errors import ClientError
 from kvproxy.upstream import gguf
 from kvproxy.translate import ollama_model
 from kvproxy.translate import ollama as tr
@@ -47,7 +48,7 @@ def test_unbounded_num_predict_leaves_llama_default(num_predict):
 @pytest.mark.parametrize("options", [{"temperature": "hot"}, {"top_k": 1.5}, {"seed": True},
                                      {"stop": 3}, "not an object"])
 def test_badly_typed_options_are_a_400(options):
-    with pytest.raises(tr.Invalid) as info:
+    with pytest.raises(ClientError) as info:
         tr.translate_options(options)
     assert info.value.status == 400
 
@@ -57,7 +58,7 @@ def test_format_json_and_schema():
     assert tr.translate_format("json") == {"type": "json_object"}
     assert tr.translate_format(schema)["json_schema"]["schema"] == schema
     assert tr.translate_format(None) is None and tr.translate_format("") is None
-    with pytest.raises(tr.Invalid):
+    with pytest.raises(ClientError):
         tr.translate_format("yaml")
 
 
@@ -68,7 +69,7 @@ def test_think_switches_the_template_and_levels_set_the_effort():
     assert on["chat_template_kwargs"] == {"enable_thinking": True}
     assert on["reasoning_format"] == "deepseek" and "reasoning_effort" not in on
     assert tr.translate_think("high")["reasoning_effort"] == "high"
-    with pytest.raises(tr.Invalid):
+    with pytest.raises(ClientError):
         tr.translate_think("maximum")
 
 
@@ -95,13 +96,13 @@ def test_chat_body_carries_tools_tool_calls_and_thinking_to_openai_shape():
 
 def test_images_need_a_vision_model():
     messages = [{"role": "user", "content": "what is this?", "images": [PNG]}]
-    with pytest.raises(tr.Invalid) as info:
+    with pytest.raises(ClientError) as info:
         tr.translate_messages(messages, vision=False)
     assert info.value.status == 400 and "vision" in info.value.message
     content = tr.translate_messages(messages, vision=True)[0]["content"]
     assert content[0] == {"type": "text", "text": "what is this?"}
     assert content[1]["image_url"]["url"] == f"data:image/png;base64,{PNG}"
-    with pytest.raises(tr.Invalid):
+    with pytest.raises(ClientError):
         tr.translate_messages([{"role": "user", "content": "", "images": ["***"]}], vision=True)
 
 
@@ -115,7 +116,7 @@ def test_generate_templated_raw_and_refused_forms():
     assert path == "/v1/completions" and body["prompt"] == "<s>raw"
     assert body["json_schema"] == {"type": "object"} and "messages" not in body
     for bad in ({"prompt": "x", "suffix": "y"}, {"prompt": "x", "raw": True, "images": [PNG]}):
-        with pytest.raises(tr.Invalid):
+        with pytest.raises(ClientError):
             tr.generate_call(bad, vision=True)
 
 

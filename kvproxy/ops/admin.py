@@ -1,7 +1,8 @@
 """Session admin API (flask-smorest): list, inspect, clear and delete sessions; list slots.
 
-When ``KVPROXY_ADMIN_TOKEN`` is set every endpoint here needs
-``Authorization: Bearer <token>``.
+When ``KVPROXY_ADMIN_TOKEN`` is set every admin route (``kvproxy.routes``, ``token``)
+needs ``Authorization: Bearer <token>``: ``require_token`` checks it for the whole app.
+Failures are raised and answered by ``kvproxy.web.errors`` in flask-smorest's shape.
 """
 from __future__ import annotations
 
@@ -12,12 +13,11 @@ from flask import current_app, request
 from flask.views import MethodView
 from flask_smorest import Blueprint, abort
 
-from kvproxy.upstream.llama import UpstreamError, UpstreamUnavailable
-from kvproxy.slots.lock import SlotUnavailable
+from kvproxy import routes
+from kvproxy.errors import ClientError
 
-blueprint = Blueprint("sessions", __name__, url_prefix="/api/sessions",
-                      description="Saved llama-server slot sessions")
-slots_blueprint = Blueprint("slots", __name__, url_prefix="/api/slots",
+blueprint = Blueprint("sessions", __name__, description="Saved llama-server slot sessions")
+slots_blueprint = Blueprint("slots", __name__,
                             description="The llama-server slots kvproxy drives")
 
 
@@ -113,12 +113,6 @@ def _switch():
     return current_app.extensions["kvproxy.switch"]
 
 
-def _unavailable(exc: Exception):
-    """A slot or llama-server failure as a 503 the caller can retry."""
-    retry = getattr(exc, "retry_after", 5)
-    abort(503, message=str(exc), headers={"Retry-After": str(retry)})
-
-
 def _restore_check_status() -> dict:
     """Never waits for the slot, nor for llama-server: reads one small file."""
     return _switch().restore_check.status(None)
@@ -128,17 +122,21 @@ def _as_listing(sidecar: dict) -> dict:
     return {**sidecar, "file": f"{sidecar.get('stem')}.bin"}
 
 
-@blueprint.before_request
 def require_token() -> None:
+    """Before every request: the admin token, where the route table asks for it."""
     token = current_app.config["KVPROXY"].admin_token
-    if not token:
+    route = routes.of_request(request)  # a wrong method stays a 405, as without a token
+    if not token or not routes.needs_token(route, request.method):
         return
     sent = request.headers.get("Authorization", "")
-    if not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
-        abort(401, message="missing or wrong admin token: send 'Authorization: Bearer <token>'")
+    if hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
+        return
+    if route.family == "admin":
+        raise ClientError("missing or wrong admin token: send 'Authorization: Bearer <token>'", 401)
+    raise ClientError(f"{request.method} {request.path} changes llama-server for every client: "
+                      "send 'Authorization: Bearer <admin token>'", 401)
 
 
-@blueprint.route("")
 class Sessions(MethodView):
     @blueprint.response(200, SessionSchema(many=True))
     def get(self):
@@ -152,7 +150,6 @@ def _slot_arg(slot: int | None) -> int | None:
     return slot
 
 
-@blueprint.route("/current")
 class Current(MethodView):
     @blueprint.arguments(SlotQuerySchema, location="query")
     @blueprint.response(200, CurrentSchema)
@@ -179,7 +176,6 @@ class Current(MethodView):
                 "restore_check": _restore_check_status()}
 
 
-@blueprint.route("/clear")
 class Clear(MethodView):
     @blueprint.arguments(SlotQuerySchema, location="query")
     @blueprint.response(200, ClearedSchema)
@@ -187,14 +183,10 @@ class Clear(MethodView):
         """Save the session a slot holds, erase the slot and make 'default' its session:
         ``?slot=N`` for one slot, every slot by default (each waits like a request)."""
         slot = _slot_arg(args.get("slot"))
-        try:
-            cleared = _switch().clear(slot)
-        except (SlotUnavailable, UpstreamError, UpstreamUnavailable) as exc:
-            _unavailable(exc)
+        cleared = _switch().clear(slot)
         return {"session_id": "default", "cleared": True, "slots": cleared}
 
 
-@blueprint.route("/restore-check/reset")
 class RestoreCheckReset(MethodView):
     @blueprint.response(200, RestoreCheckSchema)
     def post(self):
@@ -203,28 +195,21 @@ class RestoreCheckReset(MethodView):
         return _restore_check_status()
 
 
-@blueprint.route("/<path:session_id>")
 class OneSession(MethodView):
     @blueprint.response(204)
     def delete(self, session_id: str):
         """Delete a session's slot file and sidecar; erases the slot if it holds it."""
-        try:
-            removed = _switch().forget(session_id)
-        except SlotUnavailable as exc:
-            _unavailable(exc)
-        if not removed:
+        if not _switch().forget(session_id):
             abort(404, message=f"no saved session {session_id!r}")
 
 
-@slots_blueprint.before_request
-def _slots_token() -> None:
-    require_token()
-
-
-@slots_blueprint.route("")
 class Slots(MethodView):
     @slots_blueprint.response(200, SlotSchema(many=True))
     def get(self):
         """Every slot kvproxy drives: the session it holds, its tokens, busy or idle and since
         when. Read from the state table; never waits for a slot or for llama-server."""
         return _switch().slot_listing()
+
+
+routes.add_rules(blueprint, globals())
+routes.add_rules(slots_blueprint, globals())

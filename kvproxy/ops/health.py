@@ -4,6 +4,7 @@ from __future__ import annotations
 from flask import Blueprint, Response, current_app, jsonify
 from prometheus_client import generate_latest, CONTENT_TYPE_LATEST
 
+from kvproxy import routes
 from kvproxy.upstream.llama import UpstreamError, UpstreamUnavailable
 from kvproxy.ops.metrics import REGISTRY
 
@@ -17,7 +18,6 @@ def name_the_node(response: Response) -> Response:
     return response
 
 
-@blueprint.get("/health")
 def health() -> Response:
     """200 with llama-server's state when it answers, 503 otherwise, or while the start-up
     check finds that kvproxy and llama-server disagree (the reason is in ``error``)."""
@@ -40,7 +40,9 @@ def health() -> Response:
                     "startup_check": "passed" if contract.passed else "pending"})
 
 
-@blueprint.get("/metrics")
 def metrics() -> Response:
     """Prometheus text format."""
     return Response(generate_latest(REGISTRY), mimetype=CONTENT_TYPE_LATEST)
+
+
+routes.add_rules(blueprint, globals())

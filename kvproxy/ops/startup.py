@@ -16,7 +16,7 @@ import threading
 import time
 
 from kvproxy.storage import disk
-from kvproxy.config import ConfigError
+from kvproxy.errors import ContractError  # imported from here too
 from kvproxy.upstream.llama import LlamaClient, UpstreamError, UpstreamUnavailable
 from kvproxy.storage.store import PROBE_PREFIX, StateFormatError, StorageError
 
@@ -24,10 +24,6 @@ log = logging.getLogger("kvproxy.startup")
 
 START_WAIT = 30      # seconds start-up waits for the slot (another process may hold it)
 RECHECK_AFTER = 5    # seconds between lazy re-checks from /health while not passed
-
-
-class ContractError(ConfigError):
-    """kvproxy and llama-server disagree; the message is one line with the fix."""
 
 
 def sweep_slot_folder(switch, wait: float = START_WAIT) -> list[str]:

@@ -18,16 +18,14 @@ from flask import Blueprint as FlaskBlueprint, current_app, render_template, req
 from flask.views import MethodView
 from flask_smorest import Blueprint
 
-from kvproxy import __version__
-from kvproxy.ops.admin import require_token
+from kvproxy import __version__, routes
 from kvproxy.ops.metrics import slot_folder_usage
 from kvproxy.slots.restore_check import RestoreCheck
 from kvproxy.storage.store import now_iso
 from kvproxy.slots.switch import fingerprint, fingerprint_key
 
-api_blueprint = Blueprint("status", __name__, url_prefix="/api",
+api_blueprint = Blueprint("status", __name__,
                           description="Everything the status page shows, in one call")
-api_blueprint.before_request(require_token)
 page_blueprint = FlaskBlueprint("status_page", __name__)
 
 # llama-server is asked with short bounds: the page refreshes every few seconds.
@@ -160,7 +158,6 @@ def status_data(include_sessions: bool = True) -> dict:
     }
 
 
-@api_blueprint.route("/status")
 class Status(MethodView):
     @api_blueprint.response(200)
     def get(self):
@@ -171,7 +168,6 @@ class Status(MethodView):
         return status_data(include_sessions=request.args.get("sessions", "1") != "0")
 
 
-@page_blueprint.get("/status")
 def page():
     """The status page: static HTML, CSS and JS that fetch ``/api/status``."""
     response = current_app.make_response(render_template(
@@ -182,6 +178,10 @@ def page():
     response.headers["X-Content-Type-Options"] = "nosniff"
     response.headers["Cache-Control"] = "no-store"
     return response
+
+
+routes.add_rules(api_blueprint, globals())
+routes.add_rules(page_blueprint, globals())
 
 
 def init_app(app, api) -> None:

@@ -16,35 +16,8 @@ from pathlib import Path
 
 import filelock
 
+from kvproxy.errors import ClientGone, SlotBusy, SlotUnavailable  # imported from here too
 from kvproxy.ops import metrics
-
-
-class SlotUnavailable(RuntimeError):
-    """The slot cannot be used right now; the client may retry after ``retry_after`` seconds."""
-
-    status = 503
-
-    def __init__(self, message: str, retry_after: int = 5):
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class SlotBusy(SlotUnavailable):
-    """The slot stayed taken for longer than the bound, or too many requests wait for it."""
-
-    def __init__(self, waited: float, retry_after: int, queue_full: bool = False):
-        message = ("too many requests are waiting for the model; try again shortly" if queue_full
-                   else f"the model is busy with another conversation; waited {waited:.0f} s")
-        super().__init__(message, retry_after)
-
-
-class ClientGone(SlotUnavailable):
-    """The client closed its connection while it waited for the slot: nothing to swap for."""
-
-    status = 499  # nginx's "client closed request"; nobody reads it
-
-    def __init__(self) -> None:
-        super().__init__("the client left while waiting for the slot", retry_after=1)
 
 
 class SlotLock:

@@ -29,6 +29,8 @@ from typing import Any, Callable
 
 import filelock
 
+from kvproxy.errors import StorageError, map_exceptions  # StorageError: imported from here too
+
 SIDECAR_FORMAT = 2
 STATE_FORMAT = 3
 STATE_FILE = ".kvproxy-state.json"
@@ -38,14 +40,6 @@ TEMP_SUFFIX = ".saving.bin"     # a save in progress: <stem>.saving.bin
 PROBE_PREFIX = "probe."         # the start-up check's probe file: probe.<hex>.bin
 QUARANTINE_DIR = "quarantine"   # files that cannot be trusted, moved aside
 
-
-class StorageError(RuntimeError):
-    """The slot folder cannot take a save: disk full, folder unwritable, a short write.
-
-    Clients get 503 with Retry-After; nothing already on disk was changed.
-    """
-
-    retry_after = 30
 
 
 def _v1_to_v2(sidecar: dict) -> dict:
@@ -172,6 +166,12 @@ def read_json(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+# filelock.Timeout is an OSError: it comes first.
+TABLE_LOCK_FAILURES = {
+    filelock.Timeout: lambda exc: StorageError("the state file's lock stayed taken for 30 s"),
+    OSError: lambda exc: StorageError(f"cannot lock the state file: {exc.strerror or exc}")}
+
+
 class SessionStore:
     """The slot folder: sidecars, slot files and the proxy's state file."""
 
@@ -272,18 +272,14 @@ class SessionStore:
     def change_table(self, change: Callable[[dict[int, dict]], Any]) -> Any:
         """Read the table, let ``change`` edit it in place, write it; all under the table's
         own short lock. Returns what ``change`` returned."""
-        try:
-            with self._table_thread_lock, self._table_file_lock.acquire(timeout=30):
-                table = self.read_table()
-                result = change(table)
-                _write_or_storage_error(self.root / STATE_FILE, {
-                    "format": STATE_FORMAT,
-                    "slots": {str(k): v for k, v in sorted(table.items())}})
-                return result
-        except filelock.Timeout as exc:
-            raise StorageError("the state file's lock stayed taken for 30 s") from exc
-        except OSError as exc:
-            raise StorageError(f"cannot lock the state file: {exc.strerror or exc}") from exc
+        with map_exceptions(TABLE_LOCK_FAILURES), self._table_thread_lock, \
+                self._table_file_lock.acquire(timeout=30):
+            table = self.read_table()
+            result = change(table)
+            _write_or_storage_error(self.root / STATE_FILE, {
+                "format": STATE_FORMAT,
+                "slots": {str(k): v for k, v in sorted(table.items())}})
+            return result
 
     def migrate_state_file(self) -> bool:
         """Write an older state file in the current format (at start); True when it changed."""
@@ -295,7 +291,6 @@ class SessionStore:
 
 
 def _write_or_storage_error(path: Path, data: Any) -> None:
-    try:
+    with map_exceptions({OSError: lambda exc: StorageError(
+            f"cannot write {path.name} in the slot folder: {exc.strerror or exc}")}):
         write_json_atomic(path, data)
-    except OSError as exc:
-        raise StorageError(f"cannot write {path.name} in the slot folder: {exc.strerror or exc}") from exc

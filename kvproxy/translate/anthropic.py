@@ -12,6 +12,8 @@ import re
 import uuid
 from typing import Any, Iterable, Iterator
 
+from kvproxy.errors import ClientError
+
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "not_found_error", 413: "request_too_large",
                429: "rate_limit_error", 500: "api_error", 502: "api_error",
@@ -28,10 +30,6 @@ _PROMPT_FIELDS = ("messages", "tools", "tool_choice", "parallel_tool_calls",
 DEFAULT_MAX_TOKENS = 4096
 
 
-class InvalidRequest(ValueError):
-    """The client's request breaks the Messages API contract (answered as a 400)."""
-
-
 # -- errors -----------------------------------------------------------------
 def error_body(status: int, message: str) -> dict:
     """Anthropic's error object; the type must agree with the status."""
@@ -44,7 +42,7 @@ def to_llama(body: dict, *, count_only: bool = False) -> dict:
     """The llama-server chat body for an Anthropic request (``count_only``: prompt fields only)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("messages: a non-empty list of messages is required")
+        raise ClientError("messages: a non-empty list of messages is required")
     out: dict[str, Any] = {"messages": _system(body.get("system")) + _messages(messages)}
     out.update(_tools(body.get("tools"), body.get("tool_choice")))
     out.update(_thinking(body.get("thinking")))
@@ -78,7 +76,7 @@ def _messages(messages: list) -> list[dict]:
     out: list[dict] = []
     for number, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise InvalidRequest(f"messages.{number}: must be an object")
+            raise ClientError(f"messages.{number}: must be an object")
         role, content = message.get("role"), message.get("content")
         if role in ("system", "developer"):
             # Claude Code 2.1 sends its environment as a system message after the first
@@ -87,14 +85,14 @@ def _messages(messages: list) -> list[dict]:
                 out.append({"role": "system", "content": text})
             continue
         if role not in ("user", "assistant"):
-            raise InvalidRequest(
+            raise ClientError(
                 f"messages.{number}.role: must be 'user', 'assistant' or 'system'")
         if isinstance(content, str):
             out.append({"role": role, "content": content})
         elif isinstance(content, list):
             out.extend(_assistant(content) if role == "assistant" else _user(content))
         else:
-            raise InvalidRequest(f"messages.{number}.content: must be a string or a list of blocks")
+            raise ClientError(f"messages.{number}.content: must be a string or a list of blocks")
     return out
 
 
@@ -189,7 +187,7 @@ def _tools(tools: Any, choice: Any) -> dict:
     if kind == "tool":
         named = [f for f in functions if f["function"]["name"] == choice.get("name")]
         if not named:
-            raise InvalidRequest(f"tool_choice.name: no tool named {choice.get('name')!r}")
+            raise ClientError(f"tool_choice.name: no tool named {choice.get('name')!r}")
         out["tools"] = named  # the only way to force one function on llama-server
     out["tool_choice"] = {"auto": "auto", "none": "none"}.get(kind, "required")
     if choice.get("disable_parallel_tool_use"):
@@ -231,12 +229,12 @@ def _sampling(body: dict) -> dict:
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise InvalidRequest("max_tokens: must be an integer of at least 1")
+        raise ClientError("max_tokens: must be an integer of at least 1")
     out: dict[str, Any] = {"max_tokens": max_tokens}
     for key in ("temperature", "top_p", "top_k"):
         if body.get(key) is not None:
             if not isinstance(body[key], (int, float)) or isinstance(body[key], bool):
-                raise InvalidRequest(f"{key}: must be a number")
+                raise ClientError(f"{key}: must be a number")
             out[key] = body[key]
     config = body.get("output_config")
     schema_format = config.get("format") if isinstance(config, dict) else None
@@ -256,7 +254,7 @@ def stop_sequences(body: dict) -> list[str]:
     if stops is None:
         return []
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise InvalidRequest("stop_sequences: must be a list of strings")
+        raise ClientError("stop_sequences: must be a list of strings")
     return [s for s in stops if s]
 
 

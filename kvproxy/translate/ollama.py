@@ -13,16 +13,8 @@ import re
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterable, Iterator
 
+from kvproxy.errors import ClientError
 from kvproxy.upstream.llama import UpstreamError
-
-
-class Invalid(ValueError):
-    """A request Ollama itself would refuse; ``status`` is the HTTP status to answer."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.message = message
-        self.status = status
 
 
 # Ollama option -> (llama-server body field, expected type). Anything else is ignored,
@@ -53,10 +45,10 @@ def created_at(now: datetime | None = None) -> str:
 def _number(name: str, value: Any, kind: type) -> int | float:
     """Ollama (Go) refuses a wrongly typed option; so do we, with a 400 instead of a 500."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise Invalid(f"option '{name}' must be a number, got {json.dumps(value)}")
+        raise ClientError(f"option '{name}' must be a number, got {json.dumps(value)}")
     if kind is int:
         if value != int(value):
-            raise Invalid(f"option '{name}' must be a whole number, got {value}")
+            raise ClientError(f"option '{name}' must be a whole number, got {value}")
         return int(value)
     return float(value)
 
@@ -66,7 +58,7 @@ def translate_options(options: Any) -> dict:
     if options is None:
         return {}
     if not isinstance(options, dict):
-        raise Invalid("'options' must be an object")
+        raise ClientError("'options' must be an object")
     body: dict = {}
     for name, value in options.items():
         if value is None:
@@ -86,7 +78,7 @@ def _stops(value: Any) -> list[str]:
         return [value]
     if isinstance(value, list) and all(isinstance(item, str) for item in value):
         return value
-    raise Invalid("option 'stop' must be a string or a list of strings")
+    raise ClientError("option 'stop' must be a string or a list of strings")
 
 
 def translate_format(fmt: Any) -> dict | None:
@@ -97,7 +89,7 @@ def translate_format(fmt: Any) -> dict | None:
         return {"type": "json_object"}
     if isinstance(fmt, dict):
         return {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
-    raise Invalid(f"invalid format {json.dumps(fmt)}: use \"json\" or a JSON schema object")
+    raise ClientError(f"invalid format {json.dumps(fmt)}: use \"json\" or a JSON schema object")
 
 
 def translate_think(think: Any) -> dict:
@@ -112,19 +104,19 @@ def translate_think(think: Any) -> dict:
         if think in THINK_LEVELS:
             body["reasoning_effort"] = think
         return body
-    raise Invalid(f"invalid think value {json.dumps(think)}: use true, false, "
+    raise ClientError(f"invalid think value {json.dumps(think)}: use true, false, "
                   + ", ".join(f'"{level}"' for level in THINK_LEVELS))
 
 
 def image_part(image: Any, position: int) -> dict:
     """One base64 image as an OpenAI ``image_url`` part with a data URL."""
     if not isinstance(image, str):
-        raise Invalid(f"image {position} must be a base64 string")
+        raise ClientError(f"image {position} must be a base64 string")
     data = image.split(",", 1)[1] if image.startswith("data:") else image
     try:
         head = base64.b64decode(data, validate=True)[:8]
     except (binascii.Error, ValueError):
-        raise Invalid(f"image {position} is not valid base64") from None
+        raise ClientError(f"image {position} is not valid base64") from None
     mime = next((kind for magic, kind in _IMAGE_MAGIC if head.startswith(magic)), "image/jpeg")
     return {"type": "image_url", "image_url": {"url": f"data:{mime};base64,{data}"}}
 
@@ -133,12 +125,12 @@ def _content(message: dict, vision: bool) -> Any:
     text = message.get("content")
     text = "" if text is None else text
     if not isinstance(text, str):
-        raise Invalid("message 'content' must be a string")
+        raise ClientError("message 'content' must be a string")
     images = message.get("images") or []
     if not images:
         return text
     if not vision:
-        raise Invalid("this model does not accept images: llama-server reports no vision "
+        raise ClientError("this model does not accept images: llama-server reports no vision "
                       "modality in /props (start it with a --mmproj projector for a vision model)")
     return [{"type": "text", "text": text}] + [image_part(img, i) for i, img in enumerate(images)]
 
@@ -147,7 +139,7 @@ def _openai_tool_call(call: Any, index: int) -> dict:
     """Ollama's tool call (arguments an object) as OpenAI's (arguments a JSON string)."""
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise Invalid("every tool call needs function.name")
+        raise ClientError("every tool call needs function.name")
     arguments = function.get("arguments") or {}
     return {"id": call.get("id") or f"call_{index}", "type": "function",
             "function": {"name": function["name"], "arguments": arguments
@@ -157,11 +149,11 @@ def _openai_tool_call(call: Any, index: int) -> dict:
 def translate_messages(messages: Any, vision: bool) -> list[dict]:
     """Ollama chat messages (images, thinking, tool calls, tool results) in OpenAI shape."""
     if not isinstance(messages, list):
-        raise Invalid("'messages' must be a list")
+        raise ClientError("'messages' must be a list")
     out = []
     for message in messages:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise Invalid("every message must be an object with a 'role'")
+            raise ClientError("every message must be an object with a 'role'")
         item: dict = {"role": message["role"], "content": _content(message, vision)}
         if message.get("thinking") and message["role"] == "assistant":
             item["reasoning_content"] = message["thinking"]
@@ -190,7 +182,7 @@ def chat_body(req: dict, vision: bool) -> dict:
     tools = req.get("tools")
     if tools:
         if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-            raise Invalid("'tools' must be a list of objects")
+            raise ClientError("'tools' must be a list of objects")
         body["tools"] = [{"type": "function", **tool} for tool in tools]
     body.update(translate_think(req.get("think")))
     return body
@@ -206,12 +198,12 @@ def generate_call(req: dict, vision: bool) -> tuple[str, dict]:
     """
     prompt, system = req.get("prompt") or "", req.get("system") or ""
     if not isinstance(prompt, str) or not isinstance(system, str):
-        raise Invalid("'prompt' and 'system' must be strings")
+        raise ClientError("'prompt' and 'system' must be strings")
     if req.get("suffix"):
-        raise Invalid("'suffix' (fill-in-the-middle) is not supported by kvproxy")
+        raise ClientError("'suffix' (fill-in-the-middle) is not supported by kvproxy")
     if req.get("raw"):
         if req.get("images"):
-            raise Invalid("images need a templated prompt: send them without raw:true")
+            raise ClientError("images need a templated prompt: send them without raw:true")
         body = {"prompt": prompt, **translate_options(req.get("options"))}
         response_format = translate_format(req.get("format"))
         if response_format:

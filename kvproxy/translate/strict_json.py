@@ -11,15 +11,13 @@ import json
 import math
 from typing import Any
 
-
-class Refused(ValueError):
-    """A body kvproxy will not pass on; the message says why."""
+from kvproxy.errors import ClientError
 
 
 def _finite_float(text: str) -> float:
     number = float(text)
     if not math.isfinite(number):
-        raise Refused(f"request body holds {text}, which is not a finite JSON number")
+        raise ClientError(f"request body holds {text}, which is not a finite JSON number")
     return number
 
 
@@ -29,23 +27,23 @@ def _int_as_double(text: str) -> int:
     try:
         float(number)
     except OverflowError:
-        raise Refused(f"request body holds {text[:20]}..., which is not a finite JSON number") \
+        raise ClientError(f"request body holds {text[:20]}..., which is not a finite JSON number") \
             from None
     return number
 
 
 def _constant(name: str) -> float:
-    raise Refused(f"request body holds {name}, which is not a finite JSON number")
+    raise ClientError(f"request body holds {name}, which is not a finite JSON number")
 
 
 def parse(data: bytes) -> Any:
-    """Strict JSON: finite numbers only, nesting Python can follow; ``Refused`` otherwise."""
+    """Strict JSON: finite numbers only, nesting Python can follow; a ``ClientError`` otherwise."""
     try:
         return json.loads(data, parse_constant=_constant, parse_float=_finite_float,
                           parse_int=_int_as_double)
-    except Refused:
+    except ClientError:
         raise
     except RecursionError:
-        raise Refused("request body is nested too deeply") from None
+        raise ClientError("request body is nested too deeply") from None
     except ValueError:  # invalid JSON or UTF-8
-        raise Refused("request body is not valid JSON") from None
+        raise ClientError("request body is not valid JSON") from None

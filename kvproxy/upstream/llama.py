@@ -12,18 +12,9 @@ from typing import Any, Iterator
 
 import requests
 
+from kvproxy.errors import UpstreamError, UpstreamUnavailable, map_exceptions
 
-class UpstreamUnavailable(RuntimeError):
-    """llama-server could not be reached or did not answer in time."""
-
-
-class UpstreamError(RuntimeError):
-    """llama-server answered with an error status."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-        self.message = message
+__all__ = ["LlamaClient", "UpstreamError", "UpstreamUnavailable", "sse_events", "upstream_error"]
 
 
 def _error_message(response: requests.Response) -> str:
@@ -68,14 +59,11 @@ class LlamaClient:
                  stream: bool = False, slot_call: bool = False,
                  **kwargs: Any) -> requests.Response:
         timeout = (self.connect_timeout, read_timeout or self.read_timeout)
-        try:
+        with self.unreachable():
             # llama-server never redirects, and following redirects costs a fifth of a millisecond.
             response = self.http.request(method, self.base_url + path, timeout=timeout,
                                          stream=stream or slot_call, allow_redirects=False,
                                          **kwargs)
-        except requests.RequestException as exc:
-            raise UpstreamUnavailable(
-                f"llama-server at {self.base_url} is not reachable: {exc.__class__.__name__}") from exc
         if slot_call:
             self._remember_connection(response)
         if response.status_code >= 400:
@@ -86,13 +74,37 @@ class LlamaClient:
 
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:
         response = self._request(method, path, **kwargs)
-        try:
+        with map_exceptions({
+                requests.RequestException: self._stopped,  # the connection broke while reading
+                ValueError: lambda exc: UpstreamError(
+                    502, f"llama-server sent invalid JSON for {path}")}):
             return response.json()
-        except requests.RequestException as exc:  # the connection broke while reading
-            raise UpstreamUnavailable(
-                f"llama-server at {self.base_url} stopped answering: {exc.__class__.__name__}") from exc
-        except ValueError as exc:
-            raise UpstreamError(502, f"llama-server sent invalid JSON for {path}") from exc
+
+    # -- the boundary: requests' exceptions as kvproxy's ---------------------
+    def unreachable(self):
+        """Failures to send a request, or to get its answer's head, as ``UpstreamUnavailable``."""
+        return map_exceptions({requests.RequestException: lambda exc: UpstreamUnavailable(
+            f"llama-server at {self.base_url} is not reachable: {exc.__class__.__name__}")})
+
+    def _stopped(self, exc: BaseException) -> UpstreamUnavailable:
+        return UpstreamUnavailable(
+            f"llama-server at {self.base_url} stopped answering: {exc.__class__.__name__}")
+
+    def content(self, response: requests.Response) -> bytes:
+        """The whole body of a ``forward`` answer; a broken read is ``UpstreamUnavailable``."""
+        try:
+            with map_exceptions({requests.RequestException: self._stopped}):
+                return response.content
+        finally:
+            response.close()
+
+    def chunks(self, response: requests.Response) -> Iterator[bytes]:
+        """A ``forward`` answer's body as it comes; a broken read is ``UpstreamUnavailable``."""
+        try:
+            with map_exceptions({requests.RequestException: self._stopped}):
+                yield from response.iter_content(chunk_size=None)
+        finally:
+            response.close()
 
     # -- restart detection -------------------------------------------------
     def _remember_connection(self, response: requests.Response) -> None:
@@ -174,14 +186,11 @@ class LlamaClient:
         its status, streamed (the caller closes it); only an unreachable server raises."""
         url = self.base_url + path + (("?" + query.decode("latin-1")) if query else "")
         headers = {"Content-Type": content_type} if content_type else {}
-        try:
+        with self.unreachable():
             response = self.http.request(method, url, data=data or None, headers=headers,
                                          timeout=(self.connect_timeout,
                                                   read_timeout or self.read_timeout),
                                          stream=True, allow_redirects=False)
-        except requests.RequestException as exc:
-            raise UpstreamUnavailable(
-                f"llama-server at {self.base_url} is not reachable: {exc.__class__.__name__}") from exc
         if slot_call:
             self._remember_connection(response)
         return response
@@ -198,14 +207,13 @@ def sse_events(response: requests.Response) -> Iterator[tuple[bytes, Any]]:
     """
     name = b""
     lines = response.iter_lines(chunk_size=None)
+    broken = {requests.RequestException: lambda exc: UpstreamUnavailable(
+        f"llama-server stopped answering mid-stream: {exc.__class__.__name__}")}
     while True:
-        try:
-            line = next(lines)
-        except StopIteration:
+        with map_exceptions(broken):
+            line = next(lines, None)
+        if line is None:
             return
-        except requests.RequestException as exc:
-            raise UpstreamUnavailable(
-                f"llama-server stopped answering mid-stream: {exc.__class__.__name__}") from exc
         if not line or line.startswith(b":"):
             continue
         if line.startswith(b"event:"):

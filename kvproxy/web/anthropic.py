@@ -11,7 +11,8 @@ from flask import Blueprint, Response, jsonify, request
 
 from kvproxy.web.relay import ChatCall
 from kvproxy.translate import anthropic as translate
-from kvproxy.web.common import HANDLED, BadRequest, failure, json_body, relay, serve_chat
+from kvproxy import routes
+from kvproxy.web.common import json_body, relay, serve_chat
 
 blueprint = Blueprint("anthropic", __name__)
 
@@ -25,27 +26,16 @@ def render_error(status: int, message: str, headers: dict | None = None) -> Resp
 
 
 def _read(count_only: bool) -> tuple[dict, dict]:
-    """The client's body and its llama-server translation, or BadRequest."""
+    """The client's body and its llama-server translation, or ClientError."""
     body = json_body()
-    try:
-        return body, translate.to_llama(body, count_only=count_only)
-    except translate.InvalidRequest as exc:
-        raise BadRequest(str(exc)) from exc
+    return body, translate.to_llama(body, count_only=count_only)
 
 
-@blueprint.post("/v1/messages")
-@blueprint.post("/messages")
 def messages() -> Response:
     """A Message, whole or as Anthropic's server-sent events."""
-    try:
-        body, llama_body = _read(count_only=False)
-    except HANDLED as exc:
-        return render_error(*failure(exc))
+    body, llama_body = _read(count_only=False)
     stream = body.get("stream") is True
-    try:
-        model = body["model"] if isinstance(body.get("model"), str) else relay().model_facts()["name"]
-    except HANDLED as exc:
-        return render_error(*failure(exc))
+    model = body["model"] if isinstance(body.get("model"), str) else relay().model_facts()["name"]
     stops = translate.stop_sequences(body)
     if stream:
         # Every chunk then carries llama-server's timings, so message_start (sent with the
@@ -57,16 +47,13 @@ def messages() -> Response:
         call, stream=stream,
         render_full=lambda result: translate.to_message(result, model, stops),
         render_stream=lambda events: translate.stream_events(events, model, stops),
-        render_error=render_error, render_stream_error=translate.stream_error,
-        mimetype="text/event-stream")
+        render_stream_error=translate.stream_error, mimetype="text/event-stream")
 
 
-@blueprint.post("/v1/messages/count_tokens")
-@blueprint.post("/messages/count_tokens")
 def count_tokens() -> Response:
     """Prompt tokens as llama-server's template and tokenizer count them."""
-    try:
-        _body, llama_body = _read(count_only=True)
-        return jsonify({"input_tokens": relay().count_tokens(llama_body)})
-    except HANDLED as exc:
-        return render_error(*failure(exc))
+    _body, llama_body = _read(count_only=True)
+    return jsonify({"input_tokens": relay().count_tokens(llama_body)})
+
+
+routes.add_rules(blueprint, globals())

@@ -5,7 +5,7 @@ A body that announces its length is refused from the header alone; a chunked bod
 is read through ``BoundedInput`` and refused the moment it passes the bound.
 Werkzeug's own ``MAX_CONTENT_LENGTH`` is not used: it silently truncates a
 chunked body at the bound, which reads as invalid JSON instead of a 413.
-The 413 is rendered in the client's API format by ``dialects.errors``.
+The 413 is rendered in the client's API format by ``kvproxy.web.errors``.
 """
 from __future__ import annotations
 

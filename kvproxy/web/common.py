@@ -1,4 +1,4 @@
-"""What every dialect does the same way: read the body, run the call, map failures."""
+"""What every dialect does the same way: read the body, run the call, hold the slot."""
 from __future__ import annotations
 
 import logging
@@ -8,24 +8,11 @@ from typing import Any, Callable, Iterable, Iterator
 
 from flask import Response, current_app, request
 
-from kvproxy.upstream.llama import UpstreamError, UpstreamUnavailable
-from kvproxy.web.relay import ChatCall, Relay, ShuttingDown
-from kvproxy.slots.lock import SlotUnavailable
-from kvproxy.storage.store import StorageError
+from kvproxy.errors import ClientError, InternalError, KvproxyError
+from kvproxy.web.relay import ChatCall, Relay
 from kvproxy.translate import strict_json
 
 log = logging.getLogger("kvproxy.dialects")
-
-Failure = tuple[int, str, dict]
-
-
-class BadRequest(ValueError):
-    """The client's request cannot be served as sent."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 def relay() -> Relay:
@@ -33,35 +20,13 @@ def relay() -> Relay:
 
 
 def json_body() -> dict:
-    """The request's JSON object, or BadRequest with a message a person can act on."""
-    try:
-        data = strict_json.parse(request.get_data(cache=True))
-    except strict_json.Refused as exc:
-        raise BadRequest(str(exc)) from None
+    """The request's JSON object, or ClientError with a message a person can act on."""
+    data = strict_json.parse(request.get_data(cache=True))
     if not isinstance(data, dict):
-        raise BadRequest("request body must be a JSON object")
+        raise ClientError("request body must be a JSON object")
     return data
 
 
-def failure(exc: Exception) -> Failure:
-    """Status, message and extra headers for an exception on the way to llama-server."""
-    if isinstance(exc, BadRequest):
-        return exc.status, exc.message, {}
-    if isinstance(exc, SlotUnavailable):
-        return exc.status, str(exc), {"Retry-After": str(exc.retry_after)}
-    if isinstance(exc, StorageError):
-        return 503, f"kvproxy cannot use its slot folder: {exc}", {"Retry-After": str(exc.retry_after)}
-    if isinstance(exc, UpstreamUnavailable):
-        return 502, f"{exc}; check that llama-server is running and KVPROXY_UPSTREAM points at it", {}
-    if isinstance(exc, UpstreamError):
-        return exc.status, f"llama-server: {exc.message}", {}
-    if isinstance(exc, ShuttingDown):
-        return 503, str(exc), {"Retry-After": "5"}
-    raise exc
-
-
-HANDLED = (BadRequest, SlotUnavailable, StorageError, UpstreamUnavailable, UpstreamError,
-           ShuttingDown)
 CLOSERS = "kvproxy.slot_closers"
 
 
@@ -162,7 +127,6 @@ def client_still_there() -> Callable[[], bool]:
 def serve_chat(call: ChatCall, *, stream: bool,
                render_full: Callable[[dict], Any],
                render_stream: Callable[[Iterable[tuple[bytes, dict | None]]], Iterator[bytes]],
-               render_error: Callable[[int, str, dict], Response],
                render_stream_error: Callable[[int, str], bytes],
                mimetype: str) -> Response:
     """Run ``call`` and answer in the dialect's format, streamed or whole.
@@ -170,36 +134,35 @@ def serve_chat(call: ChatCall, *, stream: bool,
     Either kind holds the slot until the server closes the response: a whole
     answer once it is sent (its bookkeeping then runs off the client's wait),
     a stream after its last byte or when the client goes away, which also
-    closes the upstream request.
+    closes the upstream request. Errors before the answer starts are raised (the
+    app's error handler answers them); a stream that started cannot change its
+    status, so it ends with an error event in the dialect's format instead.
     """
     if call.still_wanted is None:
         call.still_wanted = client_still_there()
-    try:
-        if not stream:
-            answer = relay().complete(call)
-            hold_slot_until_closed(answer.close)
-            try:
-                reply = render_full(answer.result)
-                response = reply if isinstance(reply, Response) else current_app.json.response(reply)
-                response.headers.update(answer.headers)
-            except BaseException:
-                answer.close()
-                raise
-            return response
-        exchange = relay().stream(call)
-        hold_slot_until_closed(exchange.close)
-    except HANDLED as exc:
-        return render_error(*failure(exc))
+    if not stream:
+        answer = relay().complete(call)
+        hold_slot_until_closed(answer.close)
+        try:
+            reply = render_full(answer.result)
+            response = reply if isinstance(reply, Response) else current_app.json.response(reply)
+            response.headers.update(answer.headers)
+        except BaseException:
+            answer.close()
+            raise
+        return response
+    exchange = relay().stream(call)
+    hold_slot_until_closed(exchange.close)
+    bug = InternalError(request.method, request.path)  # the stream runs after the request
 
     def body() -> Iterator[bytes]:
         try:
             yield from render_stream(exchange.events())
-        except (UpstreamError, UpstreamUnavailable, ShuttingDown) as exc:
-            status, message, _ = failure(exc)
-            yield render_stream_error(status, message)
+        except KvproxyError as exc:
+            yield render_stream_error(exc.status, exc.client_message)
         except Exception:  # a rendering bug must end the stream visibly, not silently
             log.exception("stream of session %s failed", exchange.lease.session.id)
-            yield render_stream_error(500, "internal error in kvproxy while streaming; see its log")
+            yield render_stream_error(bug.status, bug.message)
         finally:
             exchange.close()
 

@@ -14,8 +14,9 @@ from flask import Blueprint, Response, request
 
 from kvproxy.sessions import route_identity
 from kvproxy.web.relay import ChatCall
-from kvproxy.web.common import HANDLED, failure, json_body, relay, serve_chat
-from kvproxy.web.openai import relay_stream, render_error, render_stream_error
+from kvproxy import routes
+from kvproxy.web.common import json_body, relay, serve_chat
+from kvproxy.web.openai import relay_stream, render_stream_error
 
 blueprint = Blueprint("llamacpp", __name__)
 
@@ -31,43 +32,31 @@ class ResponsesCall(ChatCall):
 def _serve(call: ChatCall) -> Response:
     return serve_chat(call, stream=bool(call.body.get("stream")),
                       render_full=lambda result: result, render_stream=relay_stream,
-                      render_error=render_error, render_stream_error=render_stream_error,
-                      mimetype="text/event-stream")
+                      render_stream_error=render_stream_error, mimetype="text/event-stream")
 
 
-@blueprint.post("/v1/responses")
-@blueprint.post("/responses")
 def responses() -> Response:
     """OpenAI Responses API, streamed or whole; session from prompt_cache_key, conversation,
     the session headers, or instructions plus the first user input."""
-    try:
-        body = json_body()
-    except HANDLED as exc:
-        return render_error(*failure(exc))
+    body = json_body()
     call = ResponsesCall(body=body, headers=request.headers,
                          raw=route_identity.responses_identity_body(body), path="/v1/responses")
     return _serve(call)
 
 
-@blueprint.post("/infill")
 def infill() -> Response:
     """Fill-in-the-middle; one session per editor (and file, when named)."""
-    try:
-        body = json_body()
-    except HANDLED as exc:
-        return render_error(*failure(exc))
+    body = json_body()
     session = route_identity.infill_session(request.headers, body,
                                             relay().settings.session_headers)
     return _serve(ChatCall(body=body, headers=request.headers, raw=body, path="/infill",
                            session=session))
 
 
-@blueprint.post("/completion")
-@blueprint.post("/completions")
 def completion() -> Response:
     """llama-server's native completion (not the OpenAI one at /v1/completions)."""
-    try:
-        body = json_body()
-    except HANDLED as exc:
-        return render_error(*failure(exc))
+    body = json_body()
     return _serve(ChatCall(body=body, headers=request.headers, raw=body, path="/completion"))
+
+
+routes.add_rules(blueprint, globals())

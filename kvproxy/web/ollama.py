@@ -7,23 +7,21 @@ relay like every dialect; model routes describe the model from llama-server's
 """
 from __future__ import annotations
 
-import functools
 import json
-import logging
 import time
-from typing import Any, Callable
+from typing import Any
 
 from flask import Blueprint, Response, current_app, jsonify, request
-from werkzeug.exceptions import HTTPException
 
 from kvproxy.upstream.llama import UpstreamError
+from kvproxy.errors import ClientError, KvproxyError
 from kvproxy.web.relay import ChatCall
 from kvproxy.translate import ollama as tr
-from kvproxy.web.common import HANDLED, BadRequest, failure, json_body, relay, serve_chat
+from kvproxy import routes
+from kvproxy.web.common import json_body, relay, serve_chat
 from kvproxy.translate.ollama_model import describe
 
 blueprint = Blueprint("ollama", __name__)
-log = logging.getLogger("kvproxy.ollama")
 
 NDJSON = "application/x-ndjson"
 # llama-server keeps its model loaded for as long as it runs.
@@ -50,32 +48,14 @@ def render_stream_error(_status: int, message: str) -> bytes:
     return ndjson({"error": message})
 
 
-def answers_errors(view: Callable) -> Callable:
-    """Every failure as Ollama's ``{"error": ...}`` with its status, never an HTML page."""
-    @functools.wraps(view)
-    def wrapped(*args, **kwargs):
-        try:
-            return view(*args, **kwargs)
-        except tr.Invalid as exc:
-            return render_error(exc.status, exc.message)
-        except HANDLED as exc:
-            return render_error(*failure(exc))
-        except HTTPException:  # e.g. 413: the app's handler answers it in this format
-            raise
-        except Exception as exc:  # noqa: BLE001 - a client must still get JSON
-            log.exception("ollama route %s failed", request.path)
-            return render_error(500, f"kvproxy internal error: {exc.__class__.__name__}")
-    return wrapped
-
-
 def requested_model(body: dict, model: dict, field: str = "model") -> str:
     """The name the client asked for; it must be the served model, with or without its tag."""
     name = body.get(field) or (body.get("name") if field == "model" else None)
     if not isinstance(name, str) or not name.strip():
-        raise tr.Invalid(f"'{field}' is required")
+        raise ClientError(f"'{field}' is required")
     accepted = {model["name"].lower(), model["base"].lower(), model["upstream_id"].lower()}
     if name.strip().lower() not in accepted:
-        raise tr.Invalid(f"model '{name}' not found", 404)
+        raise ClientError(f"model '{name}' not found", 404)
     return name
 
 
@@ -85,17 +65,15 @@ def _stream_flag(body: dict) -> bool:
     if stream is None:
         return True
     if not isinstance(stream, bool):
-        raise tr.Invalid("'stream' must be true or false")
+        raise ClientError("'stream' must be true or false")
     return stream
 
 
 # -- model routes -----------------------------------------------------------
-@blueprint.route("/", methods=["GET", "HEAD"])
 def root() -> Response:
     return Response("Ollama is running", mimetype="text/plain")
 
 
-@blueprint.get("/api/version")
 def version() -> Response:
     return jsonify({"version": current_app.config["KVPROXY"].ollama_version})
 
@@ -105,14 +83,10 @@ def _listed(model: dict) -> dict:
         "model": model["name"], "modified_at": model["modified_at"]}
 
 
-@blueprint.get("/api/tags")
-@answers_errors
 def tags() -> Response:
     return jsonify({"models": [_listed(describe())]})
 
 
-@blueprint.post("/api/show")
-@answers_errors
 def show() -> Response:
     model = describe()
     requested_model(json_body(), model)
@@ -124,8 +98,6 @@ def show() -> Response:
         "modified_at": model["modified_at"]})
 
 
-@blueprint.get("/api/ps")
-@answers_errors
 def ps() -> Response:
     """The model is loaded while llama-server runs; VRAM use is not reported by llama-server."""
     model = describe()
@@ -148,13 +120,9 @@ def _serve(call: ChatCall, kind: str, name: str, stream: bool, started: int,
             yield ndjson(obj)
 
     return serve_chat(call, stream=stream, render_full=render_full, render_stream=render_stream,
-                      render_error=render_error, render_stream_error=render_stream_error,
-                      mimetype=NDJSON)
+                      render_stream_error=render_stream_error, mimetype=NDJSON)
 
 
-@blueprint.post("/api/chat", defaults={"kind": "chat"})
-@blueprint.post("/api/generate", defaults={"kind": "generate"})
-@answers_errors
 def generation(kind: str) -> Response:
     """/api/chat and /api/generate. An empty request only "loads" the model: slot untouched."""
     started = time.monotonic_ns()
@@ -179,7 +147,7 @@ def _embed(inputs: list[str], model: dict) -> tuple[list[list[float]], int]:
                                                       "model": model["upstream_id"]})
     except UpstreamError as exc:
         if exc.status == 501 or "--embeddings" in exc.message:
-            raise tr.Invalid(NO_EMBEDDINGS, 501) from None
+            raise KvproxyError(NO_EMBEDDINGS, 501) from None
         raise
     data = sorted(result.get("data") or [], key=lambda item: item.get("index", 0))
     return [item.get("embedding") or [] for item in data], \
@@ -195,9 +163,6 @@ def _shorten(vector: list[float], dimensions: Any) -> list[float]:
     return [v / norm for v in cut] if norm else cut
 
 
-@blueprint.post("/api/embed", defaults={"field": "input"})
-@blueprint.post("/api/embeddings", defaults={"field": "prompt"})
-@answers_errors
 def embed(field: str) -> Response:
     """/api/embed (one or many inputs) and the older /api/embeddings (one prompt)."""
     started = time.monotonic_ns()
@@ -207,7 +172,7 @@ def embed(field: str) -> Response:
     inputs = body.get(field) or []
     inputs = [inputs] if isinstance(inputs, str) else inputs
     if not isinstance(inputs, list) or not all(isinstance(i, str) for i in inputs):
-        raise tr.Invalid(f"'{field}' must be a string or a list of strings")
+        raise ClientError(f"'{field}' must be a string or a list of strings")
     vectors, tokens = _embed(inputs, model) if inputs else ([], 0)
     if field == "prompt":
         return jsonify({"embedding": vectors[0] if vectors else []})
@@ -218,31 +183,22 @@ def embed(field: str) -> Response:
 
 
 # -- model management: one model, served by llama-server ----------------------
-@blueprint.post("/api/pull")
-@answers_errors
 def pull() -> Response:
     """Pulling the served model succeeds at once: it is already there."""
     body = json_body()
     model = describe()
     try:
         requested_model(body, model)
-    except tr.Invalid as exc:
+    except ClientError as exc:
         if exc.status != 404:
             raise
-        raise tr.Invalid(f"{exc.message}: " + ONE_MODEL.format(
+        raise ClientError(f"{exc.message}: " + ONE_MODEL.format(
             name=model["name"], action="pull other"), 404) from None
     if not _stream_flag(body):
         return jsonify({"status": "success"})
     return Response(ndjson({"status": "success"}), mimetype=NDJSON)
 
 
-@blueprint.post("/api/create", defaults={"action": "create", "field": None})
-@blueprint.post("/api/push", defaults={"action": "push", "field": "model"})
-@blueprint.post("/api/copy", defaults={"action": "copy", "field": "source"})
-@blueprint.delete("/api/delete", defaults={"action": "delete", "field": "model"})
-@blueprint.route("/api/blobs/<path:digest>", methods=["HEAD", "POST"],
-                 defaults={"action": "upload blobs for", "field": None})
-@answers_errors
 def manage(action: str, field: str | None, digest: str = "") -> Response:
     """A clear 4xx: 404 for an unknown model, 400 for anything done to the served one.
 
@@ -252,12 +208,15 @@ def manage(action: str, field: str | None, digest: str = "") -> Response:
         return Response(status=404)
     model = describe()
     if digest:  # an upload (``ollama create``): refused without reading a byte of it
-        return render_error(400, ONE_MODEL.format(name=model["name"], action=action),
-                            {"Connection": "close"})
+        raise ClientError(ONE_MODEL.format(name=model["name"], action=action),
+                          headers={"Connection": "close"})
     try:
         body = json_body()
-    except BadRequest:
+    except ClientError:
         body = None
     if field and isinstance(body, dict) and (body.get(field) or body.get("name")):
         requested_model(body, model, field)
-    raise tr.Invalid(ONE_MODEL.format(name=model["name"], action=action))
+    raise ClientError(ONE_MODEL.format(name=model["name"], action=action))
+
+
+routes.add_rules(blueprint, globals())

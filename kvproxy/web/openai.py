@@ -11,8 +11,10 @@ from typing import Iterable, Iterator
 
 from flask import Blueprint, Response, jsonify, request
 
+from kvproxy.errors import ClientError
 from kvproxy.web.relay import ChatCall
-from kvproxy.web.common import HANDLED, BadRequest, failure, json_body, relay, serve_chat
+from kvproxy import routes
+from kvproxy.web.common import json_body, relay, serve_chat
 
 blueprint = Blueprint("openai", __name__)
 
@@ -44,43 +46,32 @@ def relay_stream(events: Iterable[tuple[bytes, dict | None]]) -> Iterator[bytes]
 
 
 def _serve(path: str, required: str, kinds: tuple[type, ...]) -> Response:
-    try:
-        body = json_body()
-        if required not in body:
-            raise BadRequest(f"'{required}' is required")
-        # Empty is llama-server's to judge: it answers an empty 'messages' list.
-        if not isinstance(body[required], kinds):
-            raise BadRequest(f"'{required}' must be "
-                             + " or ".join("an array" if k is list else "a string" for k in kinds))
-    except HANDLED as exc:
-        return render_error(*failure(exc))
+    body = json_body()
+    if required not in body:
+        raise ClientError(f"'{required}' is required")
+    # Empty is llama-server's to judge: it answers an empty 'messages' list.
+    if not isinstance(body[required], kinds):
+        raise ClientError(f"'{required}' must be "
+                          + " or ".join("an array" if k is list else "a string" for k in kinds))
     call = ChatCall(body=body, headers=request.headers, raw=body, path=path)
     return serve_chat(call, stream=bool(body.get("stream")), render_full=lambda result: result,
-                      render_stream=relay_stream, render_error=render_error,
-                      render_stream_error=render_stream_error, mimetype="text/event-stream")
+                      render_stream=relay_stream, render_stream_error=render_stream_error,
+                      mimetype="text/event-stream")
 
 
-@blueprint.post("/v1/chat/completions")
-@blueprint.post("/chat/completions")
 def chat_completions() -> Response:
     """OpenAI chat completions, streamed or whole."""
     return _serve("/v1/chat/completions", "messages", (list,))
 
 
-@blueprint.post("/v1/completions")
 def completions() -> Response:
     """OpenAI legacy text completions (llama-server's /completions is its native route)."""
     return _serve("/v1/completions", "prompt", (str, list))
 
 
-@blueprint.get("/v1/models")
-@blueprint.get("/models")
 def models() -> Response:
     """The served model, with the fields both OpenAI and Anthropic clients read."""
-    try:
-        facts = relay().model_facts()
-    except HANDLED as exc:
-        return render_error(*failure(exc))
+    facts = relay().model_facts()
     created = int(facts["model"].get("created") or time.time())
     # llama-server's own fields first (Maki reads meta), then the served name
     entry = {**facts["model"], "id": facts["name"], "object": "model", "created": created,
@@ -92,3 +83,6 @@ def models() -> Response:
              for item in listing.get("models") or [] if isinstance(item, dict)]
     return jsonify({**({"models": named} if named else {}), "object": "list", "data": [entry],
                     "has_more": False, "first_id": entry["id"], "last_id": entry["id"]})
+
+
+routes.add_rules(blueprint, globals())

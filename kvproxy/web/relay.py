@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
+from kvproxy.errors import ShuttingDown  # imported from here too
 from kvproxy.sessions import identity
 from kvproxy.config import Settings
 from kvproxy.upstream.llama import LlamaClient, sse_events
@@ -21,11 +22,6 @@ from kvproxy.slots.switch import SlotSwitch
 from kvproxy.slots.unpinned import protect_other_slots
 
 MODEL_FACTS_TTL = 10.0
-
-
-class ShuttingDown(RuntimeError):
-    """kvproxy is stopping: a stream still running past the grace period ends early,
-    so its slot is freed in time for the session to be saved on the way out."""
 
 
 _stop_at: list[float] = []  # monotonic deadline for running streams, set once at shutdown
