@@ -96,7 +96,18 @@ class StorageError(KvproxyError):
         return f"kvproxy cannot use its slot folder: {self}"
 
 
-# -- the slots (kvproxy.slots.lock) --------------------------------------------
+class StateFormatError(StorageError):
+    """The state file was written by a newer kvproxy: refused, never guessed at (guessing
+    could save an unproven slot over a session's file). Start-up stops with this line."""
+
+    @property
+    def client_message(self) -> str:
+        return f"kvproxy cannot read its state file: {self}"
+
+
+# -- the slots (kvproxy.slots.lock, kvproxy.slots.state) -----------------------
+class InvalidTransition(KvproxyError):
+    """A slot was asked to move between phases that cannot follow each other: a bug."""
 class SlotUnavailable(KvproxyError):
     """The slot cannot be used right now; the client may retry after ``retry_after`` seconds."""
 

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from kvproxy.sessions.identity import Session
-from kvproxy.slots.state import (TRANSITIONS, InvalidTransition, Phase, SlotState, SlotTable,
+from kvproxy.errors import InvalidTransition
+from kvproxy.slots.state import (TRANSITIONS, Phase, SlotState, SlotTable,
                                  claimed_for, emptied, filled_with)
 from kvproxy.storage.store import STATE_FILE, SessionStore, StateFormatError, migrate_state
 

@@ -18,7 +18,8 @@ import time
 from kvproxy.storage import disk
 from kvproxy.errors import ContractError  # imported from here too
 from kvproxy.upstream.llama import LlamaClient, UpstreamError, UpstreamUnavailable
-from kvproxy.storage.store import PROBE_PREFIX, StateFormatError, StorageError
+from kvproxy.errors import StateFormatError, StorageError
+from kvproxy.storage.store import PROBE_PREFIX
 
 log = logging.getLogger("kvproxy.startup")
 

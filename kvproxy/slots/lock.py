@@ -16,7 +16,7 @@ from pathlib import Path
 
 import filelock
 
-from kvproxy.errors import ClientGone, SlotBusy, SlotUnavailable  # imported from here too
+from kvproxy.errors import ClientGone, SlotBusy, SlotUnavailable  # noqa: F401 - imported from here too
 from kvproxy.ops import metrics
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable, Mapping
 
+from kvproxy.errors import InvalidTransition
 from kvproxy.sessions.identity import DEFAULT_SESSION, Session
 from kvproxy.storage.store import SessionStore, now_iso
 
@@ -46,10 +47,6 @@ TRANSITIONS: Mapping[Phase, frozenset[Phase]] = {
                               Phase.EMPTY}),
     Phase.UNPROVEN: frozenset({Phase.UNPROVEN, Phase.CLAIMED, Phase.EMPTY}),
 }
-
-
-class InvalidTransition(RuntimeError):
-    """A slot was asked to move between phases that cannot follow each other (a bug)."""
 
 
 @dataclass(frozen=True)

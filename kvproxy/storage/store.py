@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import filelock
 
-from kvproxy.errors import StorageError, map_exceptions  # StorageError: imported from here too
+from kvproxy.errors import StateFormatError, StorageError, map_exceptions  # noqa: F401 - both also imported from here
 
 SIDECAR_FORMAT = 2
 STATE_FORMAT = 3
@@ -95,10 +95,6 @@ def _state_v2_to_v3(state: dict, legacy_slot: int) -> dict:
 
 
 STATE_MIGRATIONS = {1: _state_v1_to_v2, 2: _state_v2_to_v3}  # format n -> format n + 1
-
-
-class StateFormatError(StorageError):
-    """The state file was written by a newer kvproxy: refused, never guessed at."""
 
 
 def migrate_state(data: dict | None, legacy_slot: int = 0) -> dict:
