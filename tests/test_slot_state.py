@@ -72,3 +72,12 @@ def test_a_newer_state_file_is_refused_with_the_fix(tmp_path):
     (tmp_path / STATE_FILE).write_text(json.dumps({"format": 4, "slots": {}}))
     with pytest.raises(StateFormatError, match="newer kvproxy .format 4.*move the file aside"):
         SlotTable(SessionStore(tmp_path)).read()
+
+
+def test_a_switch_off_names_the_cause_and_the_fix_from_the_model_s_header():
+    from kvproxy.slots.restore_check import UNKNOWN_CAUSE, cause_of
+    assert "--swa-full" in cause_of({"gemma3.attention.sliding_window": 512})
+    hybrid = cause_of({"general.architecture": "lfm2"})
+    assert "hybrid or recurrent model (lfm2)" in hybrid and "cannot be restored" in hybrid
+    assert cause_of({"general.architecture": "llama"}) == UNKNOWN_CAUSE
+    assert cause_of({}) == UNKNOWN_CAUSE, "an unreadable model file names no fix"

@@ -9,10 +9,13 @@ library, so every returning turn is a restore from the slot file.
 """
 from __future__ import annotations
 
+import time
+
 import anthropic
 import ollama
 import openai
 import pytest
+import requests
 
 from kvproxy.launch.processes import swa_model, wants_swa_full
 from kvproxy.upstream import gguf
@@ -101,8 +104,10 @@ def test_ollama_a_returning_turn_computes_only_its_new_turn(swa_stack):
 
 
 def test_without_swa_full_llama_server_recomputes_a_restored_prompt(tmp_path):
-    """Why the flag: the same restore on a default llama-server reuses almost nothing."""
-    stack = Stack(tmp_path, model=swa_model(), llama_args={"swa_full": False}).start()
+    """Why the flag: the same restore on a default llama-server reuses almost nothing, and
+    kvproxy's restore check, switching restoring off, names the fix."""
+    stack = Stack(tmp_path, model=swa_model(), llama_args={"swa_full": False},
+                  KVPROXY_RESTORE_MISS_LIMIT="1").start()
     try:
         assert "--swa-full" not in stack.llama.command()
         client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0,
@@ -117,5 +122,13 @@ def test_without_swa_full_llama_server_recomputes_a_restored_prompt(tmp_path):
         (_, _), (reused, prompt) = interleave(ask, 61)
         print(f"\nwithout --swa-full: returning turn reused {reused} of {prompt} prompt tokens")
         assert reused < 0.5 * prompt
+        deadline = time.monotonic() + 20   # judged once the reply is closed: look again
+        while True:
+            check = requests.get(stack.url + "/api/sessions/current", timeout=30).json()
+            if check["restore_check"]["restoring_off"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert check["restore_check"]["restoring_off"], check
+        assert "start llama-server with --swa-full" in check["restore_check"]["cause"]
     finally:
         stack.stop()

@@ -9,6 +9,7 @@ import responses
 
 from kvproxy.ops import metrics
 from kvproxy.sessions.identity import Session, base_stem
+from kvproxy.slots.restore_check import UNKNOWN_CAUSE
 from kvproxy.upstream.llama import LlamaClient, UpstreamError
 from kvproxy.storage.store import SessionStore, StorageError
 from kvproxy.slots.switch import MISS, RESTORED, SlotBusy, SlotSwitch
@@ -93,8 +94,11 @@ def test_unhonoured_restores_are_logged_and_switch_off_names_the_way_back(tmp_pa
         answer(switch, A, fake, 510, cache_n=0, prompt=FakePrompt(range(510)))
     assert "restore of session A not honoured: 500 tokens restored, 0 reused (1 in a row)" \
         in messages(caplog)
-    assert ("restoring switched off for this model for 60 minutes after 1 unhonoured restores; "
-            "POST /api/sessions/restore-check/reset turns it back on") in messages(caplog)
+    assert ("restoring switched off for this model for 60 minutes after 1 unhonoured restores "
+            f"({UNKNOWN_CAUSE}); POST /api/sessions/restore-check/reset turns it back on") \
+        in messages(caplog)
+    assert switch.restore_check.status(None)["cause"] == UNKNOWN_CAUSE, \
+        "the status page and ps name it too"
 
 
 @pytest.mark.parametrize("restored,reused,counted", [(64, 0, True), (63, 0, False),

@@ -62,6 +62,8 @@ class RestoreCheckSchema(ma.Schema):
     misses_in_a_row = ma.fields.Integer(metadata={
         "description": "Restores in a row that llama-server did not honour"})
     last_miss_at = ma.fields.String(allow_none=True)
+    cause = ma.fields.String(allow_none=True, metadata={
+        "description": "While switched off: why llama-server does not honour restores, and the fix"})
 
 
 class SlotSchema(ma.Schema):

@@ -118,7 +118,8 @@ def percent(ratio: float | None) -> str:
 
 def restore_text(check: dict) -> str:
     if check.get("restoring_off"):
-        return f"switched off since {check.get('off_since')}"
+        cause = f": {check['cause']}" if check.get("cause") else ""
+        return f"switched off since {check.get('off_since')}{cause}"
     if check.get("restoring_off") is None:
         return "unknown (llama-server did not say which model runs)"
     return f"on ({check.get('misses_in_a_row', 0)} unhonoured restores in a row)"

@@ -92,11 +92,13 @@ def restore_check_view(entries: dict, limit: int, running_key: str | None,
     view = {"limit": limit, "models_off": sum(1 for st in shown.values() if st["restoring_off"]),
             "reset": RESTORE_CHECK_RESET}
     if running_key is None:  # llama-server did not say which model runs
-        view.update(restoring_off=None, misses_in_a_row=None, off_since=None, off_until=None)
+        view.update(restoring_off=None, misses_in_a_row=None, off_since=None, off_until=None,
+                    cause=None)
     else:
         mine = shown.get(running_key) or RestoreCheck._entry_status({}, now)
         view.update(restoring_off=mine["restoring_off"], off_since=mine["off_since"],
-                    off_until=mine["off_until"], misses_in_a_row=mine["misses_in_a_row"])
+                    off_until=mine["off_until"], misses_in_a_row=mine["misses_in_a_row"],
+                    cause=mine["cause"])
     return view
 
 

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import filelock
 
+from kvproxy.upstream import gguf
+from kvproxy.upstream.gguf import sliding_window
 from kvproxy.upstream.llama import UpstreamError, UpstreamUnavailable
 from kvproxy.storage.store import now_iso, read_json, write_json_atomic
 
@@ -124,10 +126,13 @@ class RestoreCheck:
         return {"misses_in_a_row": int(entry.get("misses") or 0), "restoring_off": off,
                 "off_since": entry.get("off_since") if off else None,
                 "off_until": off_until if off else None,
-                "last_miss_at": entry.get("last_miss_at")}
+                "last_miss_at": entry.get("last_miss_at"),
+                "cause": entry.get("cause") if off else None}
 
-    def record(self, key: str, honoured: bool) -> tuple[int, bool]:
-        """Count one judged restore; returns (misses in a row, whether restoring was just switched off)."""
+    def record(self, key: str, honoured: bool, cause: str = "") -> tuple[int, bool]:
+        """Count one judged restore; returns (misses in a row, whether restoring was just
+        switched off). ``cause``: why llama-server does not honour them, kept with a
+        switch-off so the status page and ``ps`` name the fix."""
         with self._lock.acquire(timeout=5):
             data = self._read()
             entry = data.get(key) or {}
@@ -146,6 +151,7 @@ class RestoreCheck:
                 entry["off_until"] = (now + timedelta(minutes=self.off_minutes)).isoformat(
                     timespec="milliseconds")
                 entry["misses"] = 0  # after the switch-off expires, count afresh
+                entry["cause"] = cause or UNKNOWN_CAUSE
             data[key] = entry
             write_json_atomic(self.path, data)
             return count, switched
@@ -154,6 +160,28 @@ class RestoreCheck:
         """Forget every count and switch-off (admin call)."""
         with self._lock.acquire(timeout=5):
             write_json_atomic(self.path, {})
+
+
+UNKNOWN_CAUSE = ("llama-server reported restores and then recomputed the restored tokens; "
+                 "its log says why")
+# Architectures (GGUF general.architecture) whose recurrent state this llama.cpp build does not
+# save with a slot (llama.cpp #25913, #28194; upstream PR #26004 adds it).
+RECURRENT = ("mamba", "mamba2", "rwkv", "lfm2", "jamba", "granitehybrid", "falcon-h1",
+             "qwen3next", "qwen35", "nemotron_h", "plamo2")
+
+
+def cause_of(metadata: dict) -> str:
+    """Why llama-server does not honour restores of the model with this GGUF header, and
+    the fix: a sliding window without ``--swa-full``, or a hybrid/recurrent memory."""
+    if sliding_window(metadata):
+        return ("a sliding-window model: llama-server keeps only the window of its sliding "
+                "layers; start llama-server with --swa-full")
+    arch = str(metadata.get("general.architecture") or "")
+    if arch.startswith(RECURRENT):
+        return (f"a hybrid or recurrent model ({arch}): this llama.cpp build does not save its "
+                "recurrent state with a slot (llama.cpp PR #26004), so sessions stay apart "
+                "but cannot be restored")
+    return UNKNOWN_CAUSE
 
 
 def reusable_tokens(store, lease) -> int | None:
@@ -180,7 +208,10 @@ def verify_restore(check: RestoreCheck, store, lease, cache_n: int, key: str) ->
                  "start with them (new chat, edited message): not counted",
                  lease.session.id, lease.restored_tokens, cache_n)
         return verdict
-    misses, switched = check.record(key, verdict == "honoured")
+    model_path = (lease.made_by or {}).get("model_path")
+    cause = cause_of(gguf.file_facts(model_path)[0]) if model_path and verdict != "honoured" \
+        else ""
+    misses, switched = check.record(key, verdict == "honoured", cause)
     if verdict == "honoured":
         return verdict
     log.warning("restore of session %s not honoured: %d tokens restored, %d reused (%d in a row)",
@@ -188,6 +219,6 @@ def verify_restore(check: RestoreCheck, store, lease, cache_n: int, key: str) ->
     store.update_sidecar(lease.restored_stem, {}, restore_not_honoured_at=now_iso())
     if switched:
         log.error("restoring switched off for this model for %g minutes after %d unhonoured "
-                  "restores; POST /api/sessions/restore-check/reset turns it back on",
-                  check.off_minutes, misses)
+                  "restores (%s); POST /api/sessions/restore-check/reset turns it back on",
+                  check.off_minutes, misses, cause or UNKNOWN_CAUSE)
     return verdict

@@ -203,7 +203,8 @@ function renderRestoreCheck(check) {
   let text;
   if (check.restoring_off) {
     text = `Restoring is switched off for this model since ${new Date(check.off_since).toLocaleString()}`
-      + (check.off_until ? `, until ${new Date(check.off_until).toLocaleString()}.` : ".");
+      + (check.off_until ? `, until ${new Date(check.off_until).toLocaleString()}.` : ".")
+      + (check.cause ? ` Why: ${check.cause}.` : "");
   } else if (check.restoring_off == null) {
     text = "llama-server did not say which model runs.";
   } else {
