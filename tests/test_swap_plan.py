@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from kvproxy.sessions.identity import Session, base_stem
 from kvproxy.slots.plan import (BASE, EMPTY, FOREIGN, HIT, OURS, RESTORED, UNKNOWN, Claim, Erase,
-                                FileFacts, KeepFile, MakeBase, Record, Refuse, Restore, Save,
+                                FileFacts, KeepFile, MakeBase, Record, Refuse, Restore, Save, same_maker,
                                 SwapFacts, after_answer, is_hit, needs_slot_size, plan_swap,
                                 view_without_asking)
 from kvproxy.slots.state import Phase, SlotState
@@ -97,6 +97,33 @@ def test_fingerprint_mismatch_is_refused_and_the_base_tried_next():
     assert actions[3] == Restore(0, base.stem, BASE)
 
 
+def test_the_kv_format_counts_only_when_both_the_file_and_the_server_know_it():
+    """Another cache type or V layout is refused before llama-server sees it; a file saved
+    before the format was read is judged on the rest of the fingerprint."""
+    f16, q8 = {**MADE_BY, "kv_format": "k=f16 v=f16"}, {**MADE_BY, "kv_format": "k=q8_0 v=q8_0"}
+    assert same_maker(MADE_BY, f16) and same_maker(f16, MADE_BY) and same_maker(f16, f16)
+    assert not same_maker(f16, q8)
+    assert not same_maker({**MADE_BY, "n_ctx": 8192}, f16) and not same_maker(None, f16)
+    other_format = saved(B.stem, made_by=f16)
+    actions = plan_swap(replace(facts(own=other_format), made_by=q8))
+    assert actions[2].metric == "model_mismatch" and Restore(0, B.stem, RESTORED) not in actions
+
+
+def test_a_file_llama_server_refused_is_not_offered_to_it_again_and_a_refused_base_is_remade():
+    refused = saved(B.stem, refused="invalid slot save file", refused_by=MADE_BY)
+    actions = plan_swap(facts(own=refused))
+    assert Restore(0, B.stem, RESTORED) not in actions
+    assert Refuse(B.stem, "llama-server refused it before: invalid slot save file",
+                  "refused") in actions
+    elsewhere = saved(B.stem, refused="invalid slot save file",
+                      refused_by={**MADE_BY, "build_info": "b0"})
+    assert Restore(0, B.stem, RESTORED) in plan_swap(facts(own=elsewhere)), \
+        "refused by another llama-server: this one may take it"
+    base = saved(base_stem("sysB"), refused="invalid slot save file", refused_by=MADE_BY)
+    assert plan_swap(facts(own=FileFacts(B.stem), base=base))[-2:] == [
+        MakeBase(0, "sysB"), Record(0, B)]
+
+
 def test_a_file_that_does_not_match_its_sidecar_is_quarantined():
     short = replace(saved(B.stem), size_problem="it has 10 bytes, its sidecar says 20")
     refused = [a for a in plan_swap(facts(own=short)) if isinstance(a, Refuse)]
@@ -113,9 +140,10 @@ def test_eviction_with_save_only_a_persistent_session_is_saved_first():
     assert plan_swap(facts())[0] == Save(0, HOLDS_A)
 
 
-def test_restoring_off_restores_nothing_and_makes_no_base():
+def test_restoring_off_restores_nothing_saves_nothing_and_makes_no_base():
+    """No disk is spent on files llama-server would not honour."""
     assert plan_swap(facts(own=saved(B.stem), restoring_off=True)) == [
-        Save(0, HOLDS_A), Claim(0, B), Erase(0), Record(0, B)]
+        KeepFile(0, HOLDS_A, OURS, restoring_off=True), Claim(0, B), Erase(0), Record(0, B)]
 
 
 def test_a_side_session_never_restores():

@@ -85,6 +85,26 @@ def test_a_failed_restore_is_counted_and_logged(tmp_path, fake, caplog):
     assert not SessionStore(tmp_path).read_sidecar(A.stem).get("restores")
 
 
+def test_a_file_llama_server_refuses_is_recorded_and_not_offered_to_it_again(tmp_path, fake):
+    """Another KV format (cache types, flash attention) than the running server's: one failed
+    restore, then the file is left alone until a save replaces it."""
+    switch = make_switch(tmp_path)
+    answer(switch, A, fake)
+    answer(switch, B, fake)
+    fake.fail_restore = True
+    lease = switch.acquire(A)
+    assert lease.cache == MISS
+    sidecar = SessionStore(tmp_path).read_sidecar(A.stem)
+    assert sidecar["refused"] == "Unable to restore slot"
+    assert sidecar["refused_by"] == switch.current_made_by()
+    switch.release(lease, {})     # A's turn is not answered: its old file stays
+    answer(switch, B, fake)
+    fake.fail_restore = False
+    fake.actions.clear()
+    assert switch.acquire(A).cache == MISS
+    assert ("restore", f"{A.stem}.bin") not in fake.actions
+
+
 def test_unhonoured_restores_are_logged_and_switch_off_names_the_way_back(tmp_path, fake, caplog):
     switch = make_switch(tmp_path, restore_miss_limit=1)
     fake.slot_token_ids = list(range(1000))

@@ -37,8 +37,12 @@ class SessionSchema(ma.Schema):
     restores = ma.fields.Integer(allow_none=True)
     system_hash = ma.fields.String(allow_none=True)
     refused = ma.fields.String(allow_none=True, metadata={
-        "description": "Why the file was last refused for restore (made by another model)"})
+        "description": "Why the file was last refused for restore (made by another model, "
+                       "or llama-server itself refused it)"})
     refused_at = ma.fields.String(allow_none=True)
+    refused_by = ma.fields.Dict(allow_none=True, metadata={
+        "description": "The llama-server (fingerprint) that refused the file: it is not offered "
+                       "to that server again"})
     restore_not_honoured_at = ma.fields.String(allow_none=True, metadata={
         "description": "Last time llama-server recomputed the prompt after restoring this file"})
     last_cache = ma.fields.String(allow_none=True, metadata={

@@ -20,6 +20,7 @@ from kvproxy.errors import ContractError  # imported from here too
 from kvproxy.upstream.llama import LlamaClient, UpstreamError, UpstreamUnavailable
 from kvproxy.errors import StateFormatError, StorageError
 from kvproxy.storage.store import PROBE_PREFIX
+from kvproxy.slots.restore_probe import ProbeVerdict, prove_restores
 
 log = logging.getLogger("kvproxy.startup")
 
@@ -101,6 +102,7 @@ class Contract:
         self.switch = switch
         self.passed = False
         self.problem: str | None = None
+        self.restore_verdict: ProbeVerdict | None = None  # the restore probe's, once run
         self._checked_at = float("-inf")
         self._checking = threading.Lock()
 
@@ -113,6 +115,8 @@ class Contract:
             if not held:
                 return None
             problem = contract_problem(self.client, self.switch)
+            if problem is None and not self.passed:
+                self.restore_verdict = prove_restores(self.switch, self.client)
         if problem and problem != self.problem:
             log.error("start-up check failed: %s", problem)
         elif not problem:

@@ -103,8 +103,9 @@ def restore_check_view(entries: dict, limit: int, running_key: str | None,
 
 
 # -- llama-server, asked briefly -----------------------------------------------
-def probe_llama(http: requests.Session, base_url: str) -> dict:
-    """Health, model and slots of llama-server; never raises, every call bounded."""
+def probe_llama(http: requests.Session, base_url: str, kv_format: str | None = None) -> dict:
+    """Health, model and slots of llama-server; never raises, every call bounded.
+    ``kv_format``: what the start-up probe read, part of the running fingerprint."""
     def get(path: str) -> Any:
         response = http.get(base_url + path, timeout=PROBE_TIMEOUT, allow_redirects=False)
         if response.status_code >= 400:
@@ -125,7 +126,7 @@ def probe_llama(http: requests.Session, base_url: str) -> dict:
         return {**view, "status": "unhealthy", "error": str(exc)}
     try:
         props, models = get("/props"), get("/v1/models")
-        made_by = fingerprint(props, models)
+        made_by = fingerprint(props, models, kv_format)
         view.update(model=(made_by["model_path"] or "").rsplit("/", 1)[-1] or None,
                     n_ctx=made_by["n_ctx"], build=made_by["build_info"],
                     running_key=fingerprint_key(made_by))
@@ -140,7 +141,7 @@ def status_data(include_sessions: bool = True) -> dict:
     settings = current_app.config["KVPROXY"]
     switch = current_app.extensions["kvproxy.switch"]
     http = current_app.extensions["kvproxy.status_http"]
-    llama = probe_llama(http, settings.upstream)
+    llama = probe_llama(http, settings.upstream, switch.kv_format)
     sessions, bases = session_rows(switch.store.sidecars()) if include_sessions else ([], [])
     running_key = llama.pop("running_key")
     llama_slots = llama.pop("slots")

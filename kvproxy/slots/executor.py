@@ -130,6 +130,10 @@ class SlotExecutor:
             if isinstance(action, Save):
                 metrics.SLOT_SWAPS.labels(str(action.slot), "save").inc()
                 self.save_session(action.slot, action.state, made_by, keep=keep)
+            elif isinstance(action, KeepFile) and action.restoring_off:
+                log.info("not saving session %s from slot %d: restoring is off for this "
+                         "llama-server, a file would not be restored", action.state.session_id,
+                         action.slot)
             elif isinstance(action, KeepFile):
                 log.info("not saving session %s: slot %d is %s (kvproxy cannot prove it holds "
                          "that session); its file stays as it was", action.state.session_id,
@@ -139,7 +143,7 @@ class SlotExecutor:
             elif isinstance(action, Refuse):
                 self.refuse(action)
             elif isinstance(action, Restore):
-                tokens = self.restore(action.stem, action.slot)
+                tokens = self.restore(action.stem, action.slot, made_by)
                 if tokens is not None:
                     filled, restored = Filled(action.cache, tokens, action.stem), True
             elif isinstance(action, Erase):
@@ -233,7 +237,7 @@ class SlotExecutor:
                 stem, {}, session_id=session_id, kind=kind, system_hash=system_hash,
                 made_by=made_by, n_tokens=answer.get("n_saved"), n_bytes=answer.get("n_written"),
                 saved_bytes=size, save_ms=round(save_ms, 2), saved_at=now_iso(),
-                saved_from_slot=slot, refused=None)
+                saved_from_slot=slot, refused=None, refused_by=None)
         try:
             sidecar = disk.checked_save(self.client, slot, self.store, stem, describe)
         except UpstreamUnavailable as exc:
@@ -259,14 +263,20 @@ class SlotExecutor:
                 table[slot] = state.to(Phase.OURS)
         self.table.change(saved)
 
-    def restore(self, stem: str, slot: int) -> int | None:
-        """Restore ``<stem>.bin`` into ``slot``: the tokens restored, None when it failed."""
+    def restore(self, stem: str, slot: int, made_by: dict | None = None) -> int | None:
+        """Restore ``<stem>.bin`` into ``slot``: the tokens restored, None when it failed.
+        A file llama-server refuses (400: another KV format, a layer count that differs) is
+        remembered in its sidecar with the server that refused it, so it is not offered to
+        that server again and a refused base is made afresh."""
         started = time.monotonic()
         try:
             answer = self.client.slot_action(slot, "restore", f"{stem}.bin")
         except UpstreamError as exc:  # a failed restore wipes the slot; erase keeps it clean
             log.warning("restore of %s.bin failed: %s", stem, exc.message)
             metrics.RESTORE_MISSES.labels("failed").inc()
+            if exc.status == 400 and made_by is not None:
+                self.store.update_sidecar(stem, {}, refused=exc.message, refused_at=now_iso(),
+                                          refused_by=made_by)
             return None
         restore_ms = (answer.get("timings") or {}).get("restore_ms",
                                                        (time.monotonic() - started) * 1000)

@@ -101,10 +101,12 @@ class Save:
 
 @dataclass(frozen=True)
 class KeepFile:
-    """The slot's session is not provably there: its file stays as it was (logged)."""
+    """The slot's session is not saved: not provably there (``view``), or restoring is off
+    and a file would never be restored (``restoring_off``). Its file stays as it was."""
     slot: int
     state: SlotState
     view: str
+    restoring_off: bool = False
 
 
 @dataclass(frozen=True)
@@ -168,9 +170,12 @@ def restore_problem(file: FileFacts, made_by: dict, n_ctx: int | None, slot: int
         return Refuse(file.stem, "it has no sidecar saying what made it")
     if file.size_problem:
         return Refuse(file.stem, file.size_problem, "bad_file", quarantine=True)
-    if sidecar.get("made_by") != made_by:
+    if not same_maker(sidecar.get("made_by"), made_by):
         return Refuse(file.stem, f"made by {sidecar.get('made_by')}, running {made_by}",
                       "model_mismatch", record=True)
+    if sidecar.get("refused_by") and same_maker(sidecar["refused_by"], made_by):
+        return Refuse(file.stem, f"llama-server refused it before: {sidecar.get('refused')}",
+                      "refused")
     problem = too_big(sidecar.get("n_tokens"), n_ctx)
     if problem:
         return Refuse(file.stem, f"{problem} of slot {slot}", "too_big", record=True)
@@ -195,14 +200,16 @@ def wants_base(facts: SwapFacts) -> bool:
         return False
     base = facts.base
     return not (base and base.on_disk and base.sidecar
-                and base.sidecar.get("made_by") == facts.made_by)
+                and same_maker(base.sidecar.get("made_by"), facts.made_by)
+                and not base.sidecar.get("refused_by"))
 
 
 def plan_swap(facts: SwapFacts) -> list[Action]:
     """The actions that swap ``facts.slot`` to ``facts.session`` (not a hit).
 
     Only a slot proven to hold its session (``OURS``) is saved first; anything
-    else (emptied, foreign, unknown) is never saved over a file. Then the
+    else (emptied, foreign, unknown) is never saved over a file, and nothing is
+    saved while restoring is off (no disk for files never restored). Then the
     slot is claimed and filled: each candidate file is restored or refused in
     order, the first restore that succeeds ending the filling; else the slot is
     erased, and a new system prompt gets its base snapshot. ``Record`` ends it.
@@ -210,7 +217,10 @@ def plan_swap(facts: SwapFacts) -> list[Action]:
     state, slot = facts.state, facts.slot
     actions: list[Action] = []
     if state.keeps_file:
-        actions.append(Save(slot, state) if facts.view == OURS else KeepFile(slot, state, facts.view))
+        if facts.view == OURS and not facts.restoring_off:
+            actions.append(Save(slot, state))
+        else:
+            actions.append(KeepFile(slot, state, facts.view, facts.restoring_off))
     actions.append(Claim(slot, facts.session))
     for file, cache in candidates(facts):
         refused = restore_problem(file, facts.made_by, facts.n_ctx, slot)
@@ -271,8 +281,12 @@ def held_by_timings(timings: dict) -> int:
 
 
 # -- the rest ----------------------------------------------------------------------------
-def fingerprint(props: dict, models: dict) -> dict:
-    """What made a slot file: a file from anything else must not be restored."""
+KV_FORMAT = "kv_format"  # the fingerprint's KV cache layout, from the start-up probe's file
+
+
+def fingerprint(props: dict, models: dict, kv_format: str | None = None) -> dict:
+    """What made a slot file: a file from anything else must not be restored. ``kv_format``
+    (cache types, V layout; ``slot_file.kv_format``) joins it once the start-up probe read it."""
     meta = {}
     for entry in models.get("data") or []:
         meta = entry.get("meta") or {}
@@ -284,7 +298,21 @@ def fingerprint(props: dict, models: dict) -> dict:
         "n_params": meta.get("n_params"),
         "n_ctx": settings.get("n_ctx") or props.get("n_ctx"),
         "build_info": props.get("build_info"),
+        **({KV_FORMAT: kv_format} if kv_format else {}),
     }
+
+
+def same_maker(saved: dict | None, running: dict) -> bool:
+    """Whether the llama-server that made a file (``saved``, from its sidecar) is the one
+    running. The KV format is compared only when both sides know it: files saved before
+    kvproxy read it, or while its start-up probe could not, are judged on the rest (and a
+    wrong format is then refused by llama-server itself, which ``refused_by`` remembers)."""
+    if not isinstance(saved, dict):
+        return False
+    if KV_FORMAT in saved and KV_FORMAT in running:
+        return saved == running
+    return {k: v for k, v in saved.items() if k != KV_FORMAT} == \
+        {k: v for k, v in running.items() if k != KV_FORMAT}
 
 
 def fingerprint_key(made_by: dict) -> str:

@@ -16,13 +16,12 @@ reset never waits for the slot.
 from __future__ import annotations
 
 import logging
-import struct
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import filelock
 
-from kvproxy.upstream import gguf
+from kvproxy.upstream import gguf, slot_file
 from kvproxy.upstream.gguf import sliding_window
 from kvproxy.upstream.llama import UpstreamError, UpstreamUnavailable
 from kvproxy.storage.store import now_iso, read_json, write_json_atomic
@@ -35,8 +34,6 @@ CHECK_LOCK = ".kvproxy-restore-check.lock"
 HONOURED_SHARE = 0.1
 # Fewer tokens than this in common: not worth judging.
 MIN_TOKENS_TO_VERIFY = 64
-SLOT_FILE_MAGIC = 0x67677371  # 'ggsq', llama.cpp's LLAMA_STATE_SEQ_MAGIC
-PACKED_MARKER = -1            # LLAMA_TOKEN_NULL: server_tokens' packed format follows
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -49,28 +46,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def slot_file_tokens(path: Path) -> list[int] | None:
-    """The token ids at the head of a llama-server slot file, or None when unreadable.
-
-    Layout (llama.cpp ``state_seq_save_file``): u32 magic, u32 version, u32 n,
-    then n int32; the n values are either the plain tokens or, when the first
-    is -1, server_tokens' packed form: u32 version, u32 count, the tokens.
-    """
-    try:
-        with open(path, "rb") as handle:
-            magic, _version, n_packed = struct.unpack("<III", handle.read(12))
-            if magic != SLOT_FILE_MAGIC or n_packed > 10_000_000:
-                return None
-            packed = handle.read(4 * n_packed)
-    except (OSError, struct.error):
-        return None
-    values = list(struct.unpack(f"<{len(packed) // 4}i", packed[:len(packed) // 4 * 4]))
-    if not values or values[0] != PACKED_MARKER:
-        return values
-    if len(values) < 3:
-        return None
-    count = values[2] & 0xFFFFFFFF
-    tokens = values[3:3 + count]
-    return tokens if len(tokens) == count else None
+    """The token ids at the head of a llama-server slot file (``slot_file.tokens``)."""
+    return slot_file.tokens(path)
 
 
 def judge(restored: int, cache_n: int, reusable: int | None) -> str:
@@ -155,6 +132,24 @@ class RestoreCheck:
             data[key] = entry
             write_json_atomic(self.path, data)
             return count, switched
+
+    def measured(self, key: str, honoured: bool, cause: str = "") -> None:
+        """The restore probe's verdict for one llama-server: honoured ends a switch-off (the
+        server was restarted with the fix), not honoured switches restoring off at once."""
+        with self._lock.acquire(timeout=5):
+            data = self._read()
+            if honoured:
+                if key not in data:
+                    return
+                del data[key]
+            else:
+                now = datetime.now(timezone.utc)
+                data[key] = {"misses": 0, "last_miss_at": now_iso(), "cause": cause or UNKNOWN_CAUSE,
+                             "off_since": now.isoformat(timespec="milliseconds"),
+                             "off_until": (now + timedelta(minutes=self.off_minutes)).isoformat(
+                                 timespec="milliseconds"),
+                             "measured_by": "restore probe"}
+            write_json_atomic(self.path, data)
 
     def reset(self) -> None:
         """Forget every count and switch-off (admin call)."""
