@@ -15,9 +15,14 @@ class ProbeClient:
     """Answers the probe's calls as llama-server does; ``reuses`` is what the answer after the
     restore reports as cache_n (0: a sliding-window model without --swa-full)."""
 
-    def __init__(self, root, reuses: int | None = None, fail_at: str | None = None):
+    def __init__(self, root, reuses: int | None = None, fail_at: str | None = None,
+                 holds: int = 0):
         self.root, self.reuses, self.fail_at, self.calls = root, reuses, fail_at, []
         self.n = len(PROBE_TEXT.split())
+        self.holds = holds  # what /slots shows slot 0 holding before the probe
+
+    def slots(self):
+        return [{"id": 0, "id_task": 1, "n_prompt_tokens": self.holds}]
 
     def _step(self, name):
         self.calls.append(name)
@@ -90,9 +95,17 @@ def test_the_probe_never_uses_a_slot_that_holds_a_session(fake, tmp_path):
     switch = make_switch(tmp_path)
     held = SlotState(Phase.OURS, session_id="A", key="kA", stem="A", persistent=True, tokens=9)
     switch.table.put(0, held)
-    client = ProbeClient(tmp_path)
+    client = ProbeClient(tmp_path, holds=9)
     assert prove_restores(switch, client) is None and client.calls == []
     assert switch.table.get(0) == held
+
+
+def test_a_slot_llama_server_emptied_by_a_restart_is_used_for_the_probe(fake, tmp_path):
+    switch = make_switch(tmp_path)
+    switch.table.put(0, SlotState(Phase.OURS, session_id="A", key="kA", stem="A",
+                                  persistent=True, tokens=9))
+    assert prove_restores(switch, ProbeClient(tmp_path, holds=0)).honoured
+    assert switch.table.get(0).phase is Phase.EMPTY
 
 
 def test_the_probe_empties_the_slot_it_used_and_a_half_done_probe_leaves_it_unproven(fake, tmp_path):

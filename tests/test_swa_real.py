@@ -9,7 +9,6 @@ library, so every returning turn is a restore from the slot file.
 """
 from __future__ import annotations
 
-import time
 
 import anthropic
 import ollama
@@ -52,8 +51,11 @@ def interleave(ask, seed: int) -> list[tuple[int, int]]:
     return [tuple(turn_1), tuple(turn_2)]
 
 
-def test_llama_server_was_started_with_swa_full(swa_stack):
+def test_llama_server_was_started_with_swa_full_and_the_restore_probe_passed(swa_stack):
     assert "--swa-full" in swa_stack.llama.command()
+    assert "restore probe passed" in swa_stack.proxy_log()
+    check = requests.get(swa_stack.url + "/api/sessions/current", timeout=30).json()
+    assert not check["restore_check"]["restoring_off"], check
 
 
 def test_openai_a_returning_turn_reuses_its_restored_prompt(swa_stack):
@@ -103,13 +105,18 @@ def test_ollama_a_returning_turn_computes_only_its_new_turn(swa_stack):
     assert computed <= 0.05 * system_tokens
 
 
-def test_without_swa_full_llama_server_recomputes_a_restored_prompt(tmp_path):
-    """Why the flag: the same restore on a default llama-server reuses almost nothing, and
-    kvproxy's restore check, switching restoring off, names the fix."""
-    stack = Stack(tmp_path, model=swa_model(), llama_args={"swa_full": False},
-                  KVPROXY_RESTORE_MISS_LIMIT="1").start()
+def test_without_swa_full_the_restore_probe_switches_restoring_off_at_start(tmp_path):
+    """Why the flag: the probe's restore on a default llama-server is recomputed, so before
+    any conversation restoring is off with the fix named, and no file is written that
+    would never be restored; a conversation coming back is computed afresh."""
+    stack = Stack(tmp_path, model=swa_model(), llama_args={"swa_full": False}).start()
     try:
         assert "--swa-full" not in stack.llama.command()
+        check = requests.get(stack.url + "/api/sessions/current", timeout=30).json()
+        assert check["restore_check"]["restoring_off"], check
+        assert "start llama-server with --swa-full" in check["restore_check"]["cause"]
+        failed = [line for line in stack.proxy_log().splitlines() if "restore probe failed" in line]
+        assert len(failed) == 1 and "--swa-full" in failed[0]
         client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0,
                                timeout=300)
 
@@ -120,15 +127,9 @@ def test_without_swa_full_llama_server_recomputes_a_restored_prompt(tmp_path):
             return (reply.choices[0].message.content or "",
                     reply.usage.prompt_tokens_details.cached_tokens, reply.usage.prompt_tokens)
         (_, _), (reused, prompt) = interleave(ask, 61)
-        print(f"\nwithout --swa-full: returning turn reused {reused} of {prompt} prompt tokens")
+        print(f"\nwithout --swa-full: returning turn reused {reused} of {prompt} prompt tokens; "
+              f"probe: {failed[0].split('failed: ')[-1]}")
         assert reused < 0.5 * prompt
-        deadline = time.monotonic() + 20   # judged once the reply is closed: look again
-        while True:
-            check = requests.get(stack.url + "/api/sessions/current", timeout=30).json()
-            if check["restore_check"]["restoring_off"] or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        assert check["restore_check"]["restoring_off"], check
-        assert "start llama-server with --swa-full" in check["restore_check"]["cause"]
+        assert not list(stack.slot_dir.glob("*.bin")), "no file that would never be restored"
     finally:
         stack.stop()

@@ -22,6 +22,7 @@ from kvproxy.slots.plan import (BASE, FILLING, MISS, Action, Claim, Erase, FileF
 from kvproxy.slots.state import Phase, SlotState, SlotTable, claimed_for, filled_with
 from kvproxy.storage import disk
 from kvproxy.storage.store import SessionStore, now_iso
+from kvproxy.upstream import slot_file
 from kvproxy.upstream.llama import LlamaClient, UpstreamError, UpstreamUnavailable
 
 log = logging.getLogger("kvproxy.switch")
@@ -63,6 +64,7 @@ class SlotExecutor:
         self.uncertain: set[int] = set()       # a swap failed half-way: trust nothing there
         self.n_ctx: dict[int, int] = {}        # per slot, from /slots
         self.witness: dict[int, Any] = {}      # per slot, see view()
+        self.kv_format: str | None = None      # what the last file read was written with
 
     # -- facts ---------------------------------------------------------------
     def slot_entry(self, slot: int) -> dict | None:
@@ -230,12 +232,14 @@ class SlotExecutor:
         started = time.monotonic()
 
         def describe(answer: dict, size: int) -> dict:
+            written_as = self.note_kv_format(disk.temp_path(self.store, stem))
             save_ms = (answer.get("timings") or {}).get("save_ms",
                                                         (time.monotonic() - started) * 1000)
             metrics.observe_swap("save", time.monotonic() - started, size)
             return self.store.merged_sidecar(
                 stem, {}, session_id=session_id, kind=kind, system_hash=system_hash,
-                made_by=made_by, n_tokens=answer.get("n_saved"), n_bytes=answer.get("n_written"),
+                made_by={**made_by, plan.KV_FORMAT: written_as} if written_as else made_by,
+                n_tokens=answer.get("n_saved"), n_bytes=answer.get("n_written"),
                 saved_bytes=size, save_ms=round(save_ms, 2), saved_at=now_iso(),
                 saved_from_slot=slot, refused=None, refused_by=None)
         try:
@@ -251,6 +255,17 @@ class SlotExecutor:
         if kind == "session":
             self._mark_saved(slot, stem)
         return sidecar
+
+    def note_kv_format(self, path) -> str | None:
+        """The KV format of a file llama-server just wrote; a change from the last one (a
+        restart with other cache types) is logged and becomes the fingerprint's."""
+        found = slot_file.kv_format(path)
+        if found and found != self.kv_format:
+            if self.kv_format:
+                log.warning("llama-server now writes KV format %s (was %s): files of the old "
+                            "format are no longer offered to it", found, self.kv_format)
+            self.kv_format = found
+        return found
 
     def _mark_saved(self, slot: int, stem: str) -> None:
         """The session ``slot`` holds is in its file now: no unsaved turns to protect."""

@@ -13,7 +13,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvproxy.slots.plan import fingerprint_key
+from kvproxy.slots.plan import OURS, fingerprint_key, judge_slot
 from kvproxy.slots.restore_check import cause_of, judge
 from kvproxy.slots.state import Phase, SlotState, emptied
 from kvproxy.storage.store import PROBE_PREFIX
@@ -72,14 +72,30 @@ def probe(client: LlamaClient, root: Path, slot: int) -> ProbeVerdict:
                         f"{reused} of {restored} restored tokens reused")
 
 
+def spare_slot(switch, client: LlamaClient, table: dict) -> int | None:
+    """A slot whose content kvproxy would not use: one the state table calls spare, else one
+    that ``/slots`` shows no longer holds its recorded session (llama-server restarted)."""
+    slots = switch.slot_ids()
+    for slot in slots:
+        if (table.get(slot) or SlotState()).phase in SPARE:
+            return slot
+    try:
+        entries = {e.get("id"): e for e in client.slots() if isinstance(e, dict)}
+    except (UpstreamError, UpstreamUnavailable, TypeError, AttributeError):
+        return None
+    for slot in slots:
+        if judge_slot(entries.get(slot), (table.get(slot) or SlotState()).tokens) != OURS:
+            return slot
+    return None
+
+
 def prove_restores(switch, client: LlamaClient) -> ProbeVerdict | None:
     """Probe in a slot that holds nothing kvproxy can use (the caller holds every slot),
     leave that slot empty in the state table, keep the KV format for the fingerprint and
     tell the restore check what was measured. None when every slot holds a session (a
     kvproxy restart in front of a running llama-server): the probe never costs one."""
     table = switch.table.read()
-    slot = next((s for s in switch.slot_ids()
-                 if (table.get(s) or SlotState()).phase in SPARE), None)
+    slot = spare_slot(switch, client, table)
     if slot is None:
         log.info("restore probe skipped: every slot holds a session; restores are judged on "
                  "real requests")

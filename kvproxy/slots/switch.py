@@ -67,7 +67,6 @@ class SlotSwitch:
         self.pool = SlotPool(store, lock_timeout, max_waiters)
         self.restore_check = RestoreCheck(store.root, restore_miss_limit, restore_off_minutes)
         self.executor = SlotExecutor(client, store, self.table, self.budget)
-        self.kv_format: str | None = None  # the KV cache layout, once the restore probe read it
         self._busy_since: dict[int, str] = {}
         # Per slot: when this process last wrote its used_at alone (see plan.after_answer).
         self._used_at_written: dict[int, float] = {}
@@ -216,6 +215,16 @@ class SlotSwitch:
 
     def current_made_by(self) -> dict:
         return fingerprint(self.client.props(), self.client.models(), self.kv_format)
+
+    @property
+    def kv_format(self) -> str | None:
+        """The KV cache layout llama-server writes (``slot_file.kv_format``): from the restore
+        probe, then from every file saved, so a restart with other cache types shows at once."""
+        return self.executor.kv_format
+
+    @kv_format.setter
+    def kv_format(self, value: str | None) -> None:
+        self.executor.kv_format = value
 
     def slot_view(self, state: SlotState, slot: int, trust_connection: bool = False) -> str:
         """Whether the slot holds what kvproxy's last action left in it (``OURS``), or not."""

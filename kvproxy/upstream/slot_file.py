@@ -54,14 +54,14 @@ def tokens(path: Path) -> list[int] | None:
     return found if len(found) == count else None
 
 
-def _cells_end(data: bytes, start: int, cell_count: int, extension: int) -> int | None:
+def _cells_end(meta: bytes, cell_count: int, extension: int) -> int | None:
     """Where the cells' metadata ends when each cell has ``extension`` extra bytes, or None
     when the bytes do not read as one sequence's cells (one seq id each, ascending pos)."""
-    offset, last_pos = start, -1
+    offset, last_pos = 0, -1
     for _ in range(cell_count):
-        if offset + 8 + extension + 4 > len(data):
+        if offset + 8 + extension + 4 > len(meta):
             return None
-        pos, n_seq = struct.unpack_from("<iI", data, offset)
+        pos, n_seq = struct.unpack_from("<iI", meta, offset)
         if n_seq != 1 or pos < last_pos:
             return None
         last_pos = pos
@@ -69,44 +69,50 @@ def _cells_end(data: bytes, start: int, cell_count: int, extension: int) -> int 
     return offset
 
 
+def _read(handle: BinaryIO, fmt: str) -> tuple:
+    size = struct.calcsize(fmt)
+    raw = handle.read(size)
+    if len(raw) != size:
+        raise struct.error("short read")
+    return struct.unpack(fmt, raw)
+
+
 def kv_format(path: Path) -> str | None:
     """The KV cache layout a slot file was written with, as a short text such as
     ``k=f16 v=f16 v_trans=1 layers=30 rot=0,0``; None when the file holds no cells or cannot
-    be read (then nothing is claimed about it)."""
+    be read (then nothing is claimed about it). Reads the headers only, seeking past the
+    rows, so a file of gigabytes costs a few reads."""
     try:
         with open(path, "rb") as handle:
             if _head(handle) is None:
                 return None
-            data = handle.read()
+            n_stream, = _read(handle, "<I")
+            for _ in range(min(n_stream, 4096)):
+                cell_count, = _read(handle, "<I")
+                if cell_count:
+                    return _layout(handle, cell_count)
     except (OSError, struct.error):
-        return None
-    try:
-        n_stream, = struct.unpack_from("<I", data, 0)
-        offset = 4
-        for _ in range(min(n_stream, 4096)):
-            cell_count, = struct.unpack_from("<I", data, offset)
-            offset += 4
-            if cell_count:
-                return _layout(data, offset, cell_count)
-    except struct.error:
         return None
     return None
 
 
-def _layout(data: bytes, offset: int, cell_count: int) -> str | None:
+def _layout(handle: BinaryIO, cell_count: int) -> str | None:
+    start = handle.tell()
+    meta = handle.read((12 + max(CELL_EXTENSIONS)) * cell_count + 16)
     for extension in CELL_EXTENSIONS:
-        end = _cells_end(data, offset, cell_count, extension)
-        if end is None:
+        end = _cells_end(meta, cell_count, extension)
+        if end is None or end + 16 > len(meta):
             continue
-        v_trans, n_layer, n_rot_k, n_rot_v = struct.unpack_from("<IIII", data, end)
+        v_trans, n_layer, n_rot_k, n_rot_v = struct.unpack_from("<IIII", meta, end)
         if v_trans > 1 or not 0 < n_layer < 10_000:
             continue
-        at = end + 16
-        k_type, = struct.unpack_from("<i", data, at)
+        handle.seek(start + end + 16)
+        k_type = None
         for _ in range(n_layer):  # skip the K rows of every layer to reach the first V type
-            _type, row = struct.unpack_from("<iQ", data, at)
-            at += 12 + row * cell_count
-        v_type, = struct.unpack_from("<i", data, at) if at + 4 <= len(data) else (None,)
+            layer_type, row = _read(handle, "<iQ")
+            k_type = layer_type if k_type is None else k_type
+            handle.seek(row * cell_count, 1)
+        v_type, = _read(handle, "<i")
         return (f"k={GGML_TYPES.get(k_type, f'type{k_type}')} "
                 f"v={GGML_TYPES.get(v_type, f'type{v_type}')} v_trans={v_trans} "
                 f"layers={n_layer} rot={n_rot_k},{n_rot_v}")
