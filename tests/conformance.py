@@ -80,7 +80,7 @@ DIFFERENCES: dict[str, Difference] = {
         "400 `llama-server: image input is not supported - hint: ...`", _NEVER_SUCCEEDS,
         (500, 400), "image input is not supported"),
     "openai-image-text-only": Difference(
-        "POST /v1/chat/completions (every generation route)",
+        "POST /v1/chat/completions, /v1/responses (every generation route)",
         "an `image_url` part to a model without a vision projector (audio and video parts "
         "without theirs alike: `audio input is not supported`, `video input ...`)",
         "500 `image input is not supported - hint: ...`",
@@ -88,10 +88,12 @@ DIFFERENCES: dict[str, Difference] = {
         (500, 400), "image input is not supported"),
     "unparsable-messages": Difference(
         "POST /v1/chat/completions (every generation route)",
-        "messages llama-server cannot parse (a `role` that is not a string)",
-        "500 `Failed to parse messages: [json.exception.type_error...`",
-        "400 `llama-server: Failed to parse messages: ...`", _NEVER_SUCCEEDS,
-        (500, 400), "Failed to parse messages"),
+        "messages or tools llama-server cannot parse (a `role` that is not a string, "
+        "`tools` that is not a list)",
+        "500 `Failed to parse messages: [json.exception.type_error...`, "
+        "`Failed to parse tools: ...`",
+        "400 `llama-server: Failed to parse messages: ...` (or `tools`)", _NEVER_SUCCEEDS,
+        (500, 400), "llama-server: Failed to parse"),
     "anthropic-role": Difference(
         "POST /v1/messages", "a message `role` other than `user`, `assistant`, `system`, "
         "`developer`", "200: the role is handed to the chat template",
