@@ -120,3 +120,51 @@ def test_raw_stream_ends_with_message_stop(stack, http):
     assert names[-2:] == ["message_delta", "message_stop"] and names.count("message_stop") == 1
     blocks = [n for n in names if n in ("content_block_start", "content_block_stop")]
     assert blocks and blocks == ["content_block_start", "content_block_stop"] * (len(blocks) // 2)
+
+
+SCREENSHOT_TOOL = {"name": "screenshot", "description": "A screenshot of the screen",
+                   "input_schema": {"type": "object", "properties": {}}}
+PNG = ("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGNgYGD4DwABBAEAwS2OUAAAAABJ"
+       "RU5ErkJggg==")  # one pixel
+
+
+def screenshot_turn(result: list[dict]) -> list[dict]:
+    """A coding agent's turn: the model asked for a screenshot, the tool returns ``result``."""
+    return [{"role": "user", "content": "What is on my screen?"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1",
+                                               "name": "screenshot", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                          "content": result}]}]
+
+
+def counted_client(url: str) -> tuple[anthropic.Anthropic, list]:
+    """The SDK with its default retries, and the list of requests it sends."""
+    sent: list = []
+    http = anthropic.DefaultHttpxClient(event_hooks={"request": [sent.append]})
+    return anthropic.Anthropic(base_url=url, api_key="x", timeout=120, http_client=http), sent
+
+
+def test_a_screenshot_for_a_text_only_model_is_one_400_and_a_text_result_is_answered(stack):
+    """llama-server's 500 for an image it cannot see would be retried; kvproxy's 400 is not
+    (docs/clients.md, "Where kvproxy answers differently")."""
+    image = [{"type": "text", "text": "Screen:"},
+             {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                          "data": PNG}}]
+    client, sent = counted_client(stack.url)
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        client.messages.create(model="m", max_tokens=4, tools=[SCREENSHOT_TOOL],
+                               messages=screenshot_turn(image))
+    assert refused.value.status_code == 400 and len(sent) == 1
+    assert refused.value.body["error"]["type"] == "invalid_request_error"
+    assert "image input is not supported" in refused.value.body["error"]["message"]
+
+    direct, sent_direct = counted_client(stack.llama.url)
+    with pytest.raises(anthropic.InternalServerError):
+        direct.with_options(max_retries=1).messages.create(
+            model="m", max_tokens=4, tools=[SCREENSHOT_TOOL], messages=screenshot_turn(image))
+    assert len(sent_direct) == 2  # what the 400 spares: a retry that cannot succeed
+
+    message = client.messages.create(
+        model="m", max_tokens=4, tools=[SCREENSHOT_TOOL], extra_body={"temperature": 0},
+        messages=screenshot_turn([{"type": "text", "text": "A terminal with a blue prompt."}]))
+    assert message.type == "message" and message.usage.output_tokens > 0

@@ -227,3 +227,22 @@ def test_claude_code_request_variants_are_answered(app):
         stub_llama(mock, [chunk({}, "stop", timings={"prompt_n": 5, "cache_n": 0})])
         reply = app.test_client().post("/v1/messages?beta=true", json=body, headers=headers)
     assert reply.status_code == 200, reply.data
+
+
+def test_a_screenshot_in_a_tool_result_reaches_llama_server_as_an_image_part(app):
+    """What a vision model reads: the tool message carries the image as llama-server's own
+    /v1/messages would send it."""
+    screenshot = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                              "data": "iVBORw0KGgo="}}
+    body = request(messages=[
+        {"role": "user", "content": "What is on my screen?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1",
+                                           "name": "screenshot", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                      "content": [screenshot]}]}])
+    with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
+        sent = stub_llama(mock, [chunk({}, "stop", timings={"prompt_n": 5, "cache_n": 0})])
+        reply = app.test_client().post("/v1/messages", json=body)
+    assert reply.status_code == 200, reply.data
+    assert sent[0]["messages"][-1] == {"role": "tool", "tool_call_id": "toolu_1", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}

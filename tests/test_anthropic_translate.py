@@ -161,6 +161,44 @@ def test_image_block_becomes_a_data_uri_part():
                        {"type": "text", "text": "What is this?"}]
 
 
+SCREENSHOT = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": "iVBORw0KGgo="}}
+
+
+def test_images_reach_llama_server_as_its_own_anthropic_route_sends_them():
+    """A coding agent's screenshot, returned by a tool, next to a user's own image."""
+    body = request(tools=[WEATHER_TOOL], messages=[
+        {"role": "user", "content": "Take a screenshot."},
+        {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1",
+             "content": [{"type": "text", "text": "Screen:"}, SCREENSHOT]},
+            {"type": "image", "source": {"type": "base64", "data": "QUJD"}},
+            {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}},
+            {"type": "text", "text": "What changed?"}]}])
+    assert t.to_llama(body)["messages"][2:] == [
+        {"role": "tool", "tool_call_id": "toolu_1", "content": [
+            {"type": "text", "text": "Screen:"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]},
+        {"role": "user", "content": [
+            # no media_type: llama-server's route assumes JPEG
+            {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64,QUJD"}},
+            {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+            {"type": "text", "text": "What changed?"}]}]
+
+
+def test_an_image_only_tool_result_keeps_its_image_and_a_text_one_stays_a_string():
+    body = request(messages=[{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "a", "content": [SCREENSHOT]},
+        {"type": "tool_result", "tool_use_id": "b",
+         "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]}]}])
+    assert t.to_llama(body)["messages"] == [
+        {"role": "tool", "tool_call_id": "a", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]},
+        {"role": "tool", "tool_call_id": "b", "content": "one\ntwo"}]
+
+
 @pytest.mark.parametrize("choice, expected, names", [
     (None, "auto", ["get_weather", "get_time"]),
     ({"type": "auto"}, "auto", ["get_weather", "get_time"]),

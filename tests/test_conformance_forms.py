@@ -1,8 +1,14 @@
-"""The comparison the conformance suite relies on: it must see the differences clients see."""
+"""The comparison the conformance suite relies on: it must see the differences clients see,
+allow only those its table lists, and the table must be what docs/clients.md shows."""
 import json
+from pathlib import Path
 
-from tests.conformance import (Entry, bounded, differences, form_of, key_paths, load_corpus,
-                               stream_events)
+import pytest
+
+from tests.conformance import (DIFFERENCES, Difference, Entry, bounded, differences, form_of,
+                               key_paths, load_corpus, markdown_table, stream_events)
+
+CLIENTS_DOC = Path(__file__).resolve().parent.parent / "docs" / "clients.md"
 
 
 def sse(*events):
@@ -85,11 +91,52 @@ def test_corpus_loads_hand_made_and_recorded_requests(tmp_path):
     assert not Entry("x", "GET", "/v1/x", expect={"direct": False}).direct
 
 
-def test_allowed_additions_are_named_in_the_entry():
+ADDS_KEYS = Difference("GET /x", "any", "a", "a, b", "why", adds_keys=True)
+ADDS_PING = Difference("POST /x", "stream", "events", "events, ping", "why",
+                       adds_events=("ping",))
+REFUSES = Difference("POST /x", "empty", "200", "400 `x: required`", "why", (200, 400),
+                     "x: required")
+
+
+def test_additions_are_allowed_only_where_a_row_lists_them():
     direct = form_of(200, "application/json", '{"a": 1}')
     richer = form_of(200, "application/json", '{"a": 1, "b": 2}')
-    assert differences(direct, richer, {"extra": "b is kvproxy's"}) == []
-    assert differences(richer, direct, {"extra": "b is kvproxy's"})  # never fewer
+    assert differences(direct, richer, ADDS_KEYS) == []
+    assert differences(richer, direct, ADDS_KEYS)  # never fewer
+    assert differences(direct, direct, ADDS_KEYS)  # the row no longer holds
     pinged = form_of(200, "text/event-stream", sse(("a", {}), ("ping", {}), ("b", {})))
     plain = form_of(200, "text/event-stream", sse(("a", {}), ("b", {})))
-    assert differences(plain, pinged) and differences(plain, pinged, {"extra_events": ["ping"]}) == []
+    assert differences(plain, pinged) and differences(plain, pinged, ADDS_PING) == []
+    assert differences(plain, plain, ADDS_PING)
+
+
+def test_a_refusal_must_be_exactly_as_its_row_says():
+    answered = form_of(200, "application/json", '{"content": []}')
+    refused = form_of(400, "application/json", '{"error": {"message": "x: required"}}')
+    assert differences(answered, refused) and differences(answered, refused, REFUSES) == []
+    other = form_of(400, "application/json", '{"error": {"message": "x: bad"}}')
+    assert differences(answered, other, REFUSES)  # another message
+    assert differences(answered, answered, REFUSES)  # kvproxy no longer refuses
+    assert differences(refused, refused, REFUSES)  # llama-server refuses too now
+    assert differences(None, refused, REFUSES) == []  # kvproxy only
+    assert differences(None, answered, REFUSES)
+
+
+def test_every_row_is_exercised_by_the_corpus_and_every_entry_names_a_row():
+    used = {entry.expect["differs"] for entry in load_corpus() if "differs" in entry.expect}
+    assert used == set(DIFFERENCES)
+
+
+def test_an_entry_naming_no_row_is_refused(tmp_path):
+    (tmp_path / "conformance").mkdir()
+    (tmp_path / "conformance" / "01-a.json").write_text(json.dumps(
+        {"path": "/v1/x", "expect": {"differs": "nowhere"}}))
+    with pytest.raises(ValueError, match="nowhere"):
+        load_corpus(tmp_path)
+
+
+def test_docs_list_the_differences_the_suite_allows():
+    assert markdown_table() in CLIENTS_DOC.read_text(), \
+        "docs/clients.md is out of date: python -m tests.conformance prints its table"
+    for row in DIFFERENCES.values():  # the docs name the text an operator searches for
+        assert row.message is None or row.message in row.kvproxy, row

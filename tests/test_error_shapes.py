@@ -2,6 +2,7 @@
 import pytest
 
 from kvproxy import create_app
+from kvproxy.upstream.llama import upstream_error
 
 
 @pytest.fixture
@@ -41,3 +42,17 @@ def test_wrong_method_keeps_allow_header(client):
 def test_admin_api_keeps_its_own_shape(client):
     reply = client.delete("/api/sessions/nobody")
     assert reply.status_code == 404 and reply.get_json()["code"] == 404
+
+
+@pytest.mark.parametrize("message, status", [
+    ("image input is not supported - hint: if this is unexpected, you may need to provide "
+     "the mmproj", 400),
+    ("audio input is not supported - hint: ...", 400),
+    ("video input is not supported - hint: ...", 400),
+    ("Failed to parse messages: [json.exception.type_error.302] type must be string", 400),
+    ("failed to decode image bytes", 500),  # llama-server's own fault stays a 500
+])
+def test_llama_servers_500s_that_can_never_succeed_are_a_400(message, status):
+    """docs/clients.md lists these: an SDK retries a 500, and this request never succeeds."""
+    error = upstream_error(500, message)
+    assert (error.status, error.message) == (status, message)

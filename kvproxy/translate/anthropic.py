@@ -111,15 +111,23 @@ def _user(blocks: list) -> list[dict]:
     return results
 
 
+# What llama-server's own /v1/messages assumes when an image names no media type.
+DEFAULT_IMAGE_TYPE = "image/jpeg"
+
+
 def _part(block: dict) -> dict | None:
-    """One OpenAI content part for a text, image or plain-text document block."""
+    """One OpenAI content part for a text, image or plain-text document block.
+
+    Images become ``image_url`` parts with a ``data:`` URL (or the block's URL), as
+    llama-server's own /v1/messages sends them, in user messages and tool results alike:
+    a vision model sees a tool's screenshot, a text-only one refuses it."""
     kind, source = block.get("type"), block.get("source")
     if kind == "text" and isinstance(block.get("text"), str):
         return {"type": "text", "text": block["text"]}
     if not isinstance(source, dict):
         return None
     if kind == "image" and source.get("type") == "base64" and isinstance(source.get("data"), str):
-        media = source.get("media_type") or "image/png"
+        media = source.get("media_type") or DEFAULT_IMAGE_TYPE
         return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{source['data']}"}}
     if kind == "image" and source.get("type") == "url" and isinstance(source.get("url"), str):
         return {"type": "image_url", "image_url": {"url": source["url"]}}
@@ -136,6 +144,8 @@ def _collapse(parts: list[dict]) -> str | list[dict]:
 
 
 def _result_content(block: dict) -> str | list[dict]:
+    """A tool result's content: one string when it is text only, else the parts with
+    its images, as llama-server's own route sends a multimodal tool message."""
     content = block.get("content")
     if isinstance(content, str):
         parts = [{"type": "text", "text": content}]

@@ -28,10 +28,11 @@ def _error_message(response: requests.Response) -> str:
     return str(error or body)
 
 
-# llama-server answers some malformed requests with a 500 (a parse exception in its
-# handler); they are the client's fault and are passed on as a 400.
+# llama-server answers some requests that can never succeed with a 500 (a parse exception
+# in its handler, media the model has no projector for); they are the client's fault and
+# are passed on as a 400, so SDKs do not retry them (docs/clients.md lists each).
 _CLIENT_FAULTS = re.compile(r"Failed to parse|json\.exception\.(?:type_error|parse_error)"
-                            r"|image input is not supported|audio input is not supported")
+                            r"|(?:image|audio|video) input is not supported")
 
 
 def upstream_error(status: int, message: str) -> "UpstreamError":
