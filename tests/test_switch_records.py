@@ -400,3 +400,22 @@ def test_restoring_comes_back_when_the_build_changes(tmp_path, fake):
     answer(switch, A, fake, 500)
     answer(switch, B, fake, 500)
     assert switch.acquire(A).cache == RESTORED
+
+
+def test_a_restore_llama_server_recomputed_is_reported_and_counted_as_a_miss():
+    """The header of a whole answer and the status page's hit ratio say what was reused."""
+    from kvproxy.ops.activity import RecentActivity
+    from kvproxy.slots.lease import Lease
+    lease = Lease(A, RESTORED, restored_tokens=1800)
+    assert lease.outcome({"cache_n": 0, "prompt_n": 1850}) == MISS
+    assert lease.headers({"cache_n": 0, "prompt_n": 1850})["X-KVProxy-Cache"] == MISS
+    assert lease.outcome({"cache_n": 1790, "prompt_n": 60}) == RESTORED
+    assert lease.headers()["X-KVProxy-Cache"] == RESTORED, "a stream's headers go first"
+    assert lease.outcome({"cache_n": 15, "prompt_n": 400}) == RESTORED, "it reused a part"
+    assert Lease(A, RESTORED, restored_tokens=20).outcome({"cache_n": 0}) == RESTORED, \
+        "too few tokens to judge"
+    activity = RecentActivity()
+    activity.record(lease, {"cache_n": 0, "prompt_n": 1850})
+    activity.record(lease, {"cache_n": 1790, "prompt_n": 60})
+    totals = activity.totals()
+    assert totals["outcomes"]["miss"] == 1 and totals["outcomes"]["restored"] == 1

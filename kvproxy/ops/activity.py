@@ -38,8 +38,8 @@ class RecentActivity:
         if lease.cache != "hit":
             self.record_swap(lease.session.id, lease.cache, lease.swap_ms, lease.restored_tokens,
                              lease.slot)
-        if timings:
-            self.record_request(lease.cache, int(timings.get("cache_n") or 0),
+        if timings:  # a restore llama-server recomputed counts as the miss it was
+            self.record_request(lease.outcome(timings), int(timings.get("cache_n") or 0),
                                 int(timings.get("prompt_n") or 0))
 
     def record_swap(self, session_id: str, cache: str, swap_ms: float,

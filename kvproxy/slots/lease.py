@@ -7,6 +7,8 @@ from urllib.parse import quote
 
 from kvproxy.sessions.identity import Session
 from kvproxy.slots.executor import PromptView
+from kvproxy.slots.plan import BASE, MISS, RESTORED
+from kvproxy.slots.restore_check import MIN_TOKENS_TO_VERIFY
 
 
 @dataclass
@@ -24,8 +26,21 @@ class Lease:
     leased_at: float = 0.0             # monotonic time the slot was taken
     _release: Any = field(default=None, repr=False)
 
-    def headers(self) -> dict[str, str]:
-        return {"X-KVProxy-Session": header_safe(self.session.id), "X-KVProxy-Cache": self.cache}
+    def outcome(self, timings: dict | None = None) -> str:
+        """What the request reused, once llama-server's ``timings`` tell: a restore of which it
+        reused nothing (a sliding-window model without --swa-full) is a ``miss``, whatever
+        the swap did (a restore of fewer than 64 tokens is too short to tell). A restore that reused a part (the system prompt of a new chat under an
+        old id) stays ``restored``: the usage figures tell how much."""
+        if self.cache in (RESTORED, BASE) and timings and "cache_n" in timings and \
+                self.restored_tokens >= MIN_TOKENS_TO_VERIFY and not int(timings["cache_n"] or 0):
+            return MISS
+        return self.cache
+
+    def headers(self, timings: dict | None = None) -> dict[str, str]:
+        """X-KVProxy-* headers; with the answer's ``timings`` (a whole answer) the cache
+        outcome is what llama-server reused, a stream's headers leave before it knows."""
+        return {"X-KVProxy-Session": header_safe(self.session.id),
+                "X-KVProxy-Cache": self.outcome(timings)}
 
 
 def header_safe(text: str) -> str:

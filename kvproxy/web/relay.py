@@ -81,9 +81,9 @@ class Answer:
         self._switch = switch
         self.lease = lease
         self.result = result
-        self.headers = lease.headers()
         timings = result.get("timings") if isinstance(result, dict) else None
         self.timings: dict = timings if isinstance(timings, dict) else timings_from_usage(result)
+        self.headers = lease.headers(self.timings)
 
     def close(self) -> None:
         """Record the answer's timings and free the slot; idempotent."""
