@@ -91,9 +91,9 @@ test-deploy: setup nginx
 nginx:
 	@$(call debian_package,nginx,deployment tests)
 
-# Unit tests only: llama-server stubbed, no model, seconds.
+# Unit tests only: llama-server stubbed, no model, no process started; about a minute.
 test-unit: $(VENV)/.requirements
-	$(BIN)/python -m pytest -q -m "not real"
+	$(BIN)/python -m pytest -q -m "not real and not deploy"
 
 # Mutation testing (mutmut, settings in setup.cfg) of the modules named in MODULES against the
 # fast stubbed suite: paths or module names (MODULES="kvproxy/storage/store.py relay"); MODULES=all

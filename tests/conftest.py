@@ -107,3 +107,39 @@ def count_tokens(stack: Stack, text: str) -> int:
     reply = requests.post(stack.llama.url + "/tokenize", json={"content": text}, timeout=30)
     reply.raise_for_status()
     return len(reply.json()["tokens"])
+
+
+@pytest.fixture
+def fake(tmp_path):
+    """The llama-server stub (tests/fake_llama.py) over a temporary slot folder; a test that
+    needs it otherwise (more slots, extra routes) adjusts it or overrides this fixture."""
+    import responses
+
+    from tests.fake_llama import FakeLlama
+    with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
+        yield FakeLlama(mock, tmp_path)
+
+
+# -- file names follow markers -----------------------------------------------------------
+PROCESS_MARKERS = ("real", "deploy")   # tests that start llama-server, gunicorn or nginx
+
+
+def misnamed(items: list[tuple[str, set[str]]]) -> list[str]:
+    """Tests whose file name disagrees with their markers: ``*_real.py`` holds exactly the
+    tests that start processes (marked ``real`` or ``deploy``), so a file's name tells which
+    set runs it. ``items``: (file name, marker names) per test."""
+    wrong = []
+    for name, marks in items:
+        found = sorted(marks & set(PROCESS_MARKERS))
+        if name.endswith("_real.py") != bool(found):
+            why = f"marked {'/'.join(found)}" if found else "not marked real or deploy"
+            wrong.append(f"{name} ({why})")
+    return sorted(set(wrong))
+
+
+def pytest_collection_modifyitems(config, items):
+    wrong = misnamed([(Path(str(item.fspath)).name, {m.name for m in item.iter_markers()})
+                      for item in items])
+    if wrong:
+        raise pytest.UsageError("test file names must follow their markers (*_real.py holds the "
+                                "tests marked real or deploy): " + ", ".join(wrong))

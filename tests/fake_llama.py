@@ -11,7 +11,6 @@ import re
 import struct
 from pathlib import Path
 
-import pytest
 import responses
 from responses import matchers
 
@@ -199,13 +198,6 @@ def make_switch(slot_dir, **kwargs):
     from kvproxy.slots.switch import SlotSwitch
     kwargs.setdefault("base_snapshots", False)
     return SlotSwitch(LlamaClient(UPSTREAM), SessionStore(slot_dir), **kwargs)
-
-
-@pytest.fixture
-def fake(tmp_path):
-    """The llama-server stub over a temporary slot folder (import it as a fixture)."""
-    with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
-        yield FakeLlama(mock, tmp_path)
 
 
 class FakePrompt:

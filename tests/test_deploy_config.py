@@ -199,7 +199,14 @@ def test_environment_file_names_only_known_settings():
     for key in env_file():
         if key.startswith("KVPROXY_"):
             assert key in known or f"'{key}'" in gunicorn_conf or f'"{key}"' in gunicorn_conf, key
-    assert load_settings({k: v for k, v in env_file().items() if k.startswith("KVPROXY_")})
+    # Every value the file sets parses, and is what kvproxy then runs with (an empty value:
+    # the setting's default).
+    settings = load_settings({k: v for k, v in env_file().items() if k.startswith("KVPROXY_")})
+    for setting in SETTINGS:
+        value = env_file().get(setting.env)
+        if value is not None:
+            assert getattr(settings, setting.name) == setting.parse(value or setting.default), \
+                setting.env
 
 
 def test_systemd_analyze_verify(tmp_path):

@@ -15,7 +15,7 @@ from kvproxy.sessions.identity import Session, base_stem
 from kvproxy.upstream.llama import LlamaClient
 from kvproxy.storage.store import SIDECAR_FORMAT, SessionStore, StorageError
 from kvproxy.slots.switch import BASE, MISS, RESTORED, SlotSwitch
-from tests.fake_llama import UPSTREAM, FakeLlama, FakePrompt, fake, make_switch  # noqa: F401 - fake is a fixture
+from tests.fake_llama import UPSTREAM, FakeLlama, FakePrompt, make_switch
 from tests.test_switch_records import metric
 
 A = Session("A", "test", system_hash="aaaa")
@@ -50,7 +50,7 @@ def test_a_failed_save_keeps_the_old_file_and_the_state(tmp_path, fake, fault):
     assert (tmp_path / f"{A.stem}.bin").read_bytes() == good
     assert not list(tmp_path.glob("*.saving.bin")), "the temporary file is removed"
     assert state_names(tmp_path) == "A" and fake.tokens == 40, "the slot still holds A, as the state says"
-    assert not switch.lock.thread_lock.locked()
+    assert not switch.lock.held_here()
     fake.save_fault = None
     assert turn(switch, B, fake).cache == RESTORED
 

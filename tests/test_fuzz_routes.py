@@ -163,7 +163,7 @@ def assert_own_error_shape(route: str, status: int, payload) -> None:
 def post(app, route: str, data: bytes):
     reply = app.test_client().post(route, data=data, content_type="application/json")
     switch = app.extensions["kvproxy.switch"]
-    assert not switch.lock.thread_lock.locked(), "the slot is still held"
+    assert not switch.lock.held_here(), "the slot is still held"
     text = reply.get_data(as_text=True)
     assert reply.status_code < 500, (route, data[:300], reply.status_code, text[:300])
     assert "internal error" not in text, (route, data[:300], text[:300])

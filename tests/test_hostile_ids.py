@@ -74,7 +74,7 @@ CASES = [(api, field, name) for api, fields in FIELDS.items() for field in field
 
 def assert_slot_free(app, client) -> None:
     switch = app.extensions["kvproxy.switch"]
-    assert not switch.lock.thread_lock.locked(), "the slot is still held"
+    assert not switch.lock.held_here(), "the slot is still held"
     again = client.post("/v1/chat/completions", json={"messages": USER})
     assert again.status_code == 200
 
@@ -196,7 +196,9 @@ def test_no_client_value_names_an_internal_key_or_file(value):
             assert session.id == value and session.persistent
             assert session.key.startswith(identity.CLIENT_NAMESPACE)
             assert session.stem not in {identity.file_stem(v) for v in INTERNAL}
-            assert session.stem != identity.base_stem("0123456789abcdef")
+            anonymous = identity.resolve({}, {}, messages, stream=True,
+                                         header_names=("X-Session-Id",))
+            assert session.stem != anonymous.stem, "the id must not name the anonymous file"
             assert identity.kind_of_key(session.key) == "client"
 
 

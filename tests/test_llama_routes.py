@@ -11,7 +11,7 @@ import responses
 from flask import request
 
 from kvproxy import create_app, routes
-from tests.fake_llama import UPSTREAM, FakeLlama
+from tests.fake_llama import UPSTREAM
 
 RESPONSE = {"id": "resp_1", "object": "response", "status": "completed", "output": [],
             "usage": {"input_tokens": 30, "output_tokens": 2, "total_tokens": 32,
@@ -22,11 +22,6 @@ RESPONSE_STREAM = (
     'event: response.completed\ndata: {"type":"response.completed","response":{},'
     '"timings":{"cache_n":5,"prompt_n":3,"predicted_n":1}}\n\n')
 
-
-@pytest.fixture
-def fake(tmp_path):
-    with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
-        yield FakeLlama(mock, tmp_path)
 
 
 @pytest.fixture

@@ -15,15 +15,10 @@ from kvproxy import create_app
 from kvproxy.sessions.identity import Session
 from kvproxy.web.relay import Answer, ChatCall, Prompt, timings_from_usage
 from kvproxy.slots.switch import ClientGone
-from tests.fake_llama import UPSTREAM, FakeLlama
+from tests.fake_llama import UPSTREAM
 
 CHAT = f"{UPSTREAM}/v1/chat/completions"
 
-
-@pytest.fixture
-def fake(tmp_path):
-    with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
-        yield FakeLlama(mock, tmp_path)
 
 
 @pytest.fixture

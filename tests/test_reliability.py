@@ -19,7 +19,7 @@ from kvproxy.storage.store import SessionStore
 from kvproxy.slots.plan import (EMPTY, FOREIGN, OURS, UNKNOWN, judge_slot,
                           too_big)
 from kvproxy.slots.switch import HIT, RESTORED, ClientGone, SlotBusy, SlotSwitch, fingerprint_key
-from tests.fake_llama import UPSTREAM, FakeLlama, fake, make_switch  # noqa: F401 - fake is a fixture
+from tests.fake_llama import UPSTREAM, FakeLlama, make_switch
 from tests.test_switch import FakePrompt, turn
 from tests.test_switch_records import metric
 
@@ -54,7 +54,7 @@ def test_past_the_waiter_bound_a_request_gets_503_at_once(tmp_path, fake):
         wait_until(lambda: bool(results))
         switch.release(results.pop())
         thread.join(5)
-    assert switch.pool.waiting == 0 and not switch.lock.thread_lock.locked()
+    assert switch.pool.waiting == 0 and not switch.lock.held_here()
 
 
 def test_queue_full_is_503_with_retry_after_in_each_api_format(tmp_path, fake):
@@ -134,7 +134,7 @@ def test_client_that_left_while_waiting_costs_no_swap(tmp_path, fake):
     assert metric("kvproxy_slot_rejected_total", reason="client_gone") == gone_before + 1
     assert fake.actions == actions_before, "no save, restore or erase for a client that left"
     assert SessionStore(tmp_path).read_state()["active"] == "A"
-    assert not switch.lock.thread_lock.locked()
+    assert not switch.lock.held_here()
 
 
 def test_client_check_reads_the_gunicorn_socket(tmp_path, fake):
@@ -316,14 +316,14 @@ def test_an_unexpected_failure_in_a_swap_is_a_503_that_names_it_and_frees_the_sl
     assert reply.status_code == 503 and int(reply.headers["Retry-After"]) >= 1
     assert reply.json["error"]["message"] == \
         "the slot could not be prepared (KeyError); see kvproxy's log"
-    assert not switch.lock.thread_lock.locked()
+    assert not switch.lock.held_here()
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt()
     monkeypatch.setattr(switch, "current_made_by", interrupted)
     with pytest.raises(KeyboardInterrupt):
         switch.acquire(A)
-    assert not switch.lock.thread_lock.locked()
+    assert not switch.lock.held_here()
 
 
 # -- the restore check ------------------------------------------------------------------

@@ -48,24 +48,20 @@ def test_open_connection_spares_slots_check_and_a_restart_is_still_noticed(llama
     client = CountingClient(llama.url, read_timeout=120)
     switch = SlotSwitch(client, SessionStore(llama.slot_dir), base_snapshots=False)
     a, b = Session("a", "test"), Session("b", "test")
-    assert not client.same_server_as_last_slot_call()
     turn(switch, client, a, "Name rule 1.")
     turn(switch, client, b, "Name rule 2.")   # saves a
     turn(switch, client, a, "Name rule 1.")   # restores a
-    assert client.same_server_as_last_slot_call()
 
     before = client.slots_calls
     lease, timings = turn(switch, client, a, "Name rule 3.")
     assert lease.cache == HIT and client.slots_calls == before, "no /slots call while connected"
 
     llama.restart()                            # same port, empty slot
-    assert not client.same_server_as_last_slot_call()
     lease, timings = turn(switch, client, a, "Name rule 3.")
     assert client.slots_calls == before + 1
     assert lease.cache == RESTORED
     assert timings["cache_n"] >= 0.9 * (timings["cache_n"] + timings["prompt_n"]), timings
 
     # A swap saves the slot over a file: it always asks /slots, open connection or not.
-    assert client.same_server_as_last_slot_call()
     lease, _ = turn(switch, client, b, "Name rule 2.")
     assert lease.cache == RESTORED and client.slots_calls == before + 2

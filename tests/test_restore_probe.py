@@ -7,7 +7,7 @@ from kvproxy.slots.plan import fingerprint_key
 from kvproxy.slots.restore_probe import PROBE_TEXT, probe, prove_restores
 from kvproxy.slots.state import Phase, SlotState
 from kvproxy.upstream.llama import UpstreamError
-from tests.fake_llama import fake, make_switch  # noqa: F401 - fixture
+from tests.fake_llama import make_switch
 from tests.test_slot_file import slot_file
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import errno
 
 import pytest
-import responses
 
 from kvproxy import create_app
 from kvproxy.web import relay as relay_module
@@ -13,7 +12,7 @@ from kvproxy.translate import anthropic as anthropic_translate, ollama as ollama
 from kvproxy.web import common, openai
 from kvproxy.upstream.llama import LlamaClient
 from kvproxy.slots.lease import Lease
-from tests.fake_llama import UPSTREAM, FakeLlama
+from tests.fake_llama import UPSTREAM
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -120,11 +119,6 @@ CASES = [(api, stream, step) for api in ("openai", "anthropic", "ollama")
          and not (step == "render" and (api, stream) not in RENDERERS)]
 
 
-@pytest.fixture
-def fake(tmp_path):
-    with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
-        yield FakeLlama(mock, tmp_path)
-
 
 @pytest.mark.parametrize("api,stream,step", CASES,
                          ids=[f"{a}-{'stream' if s else 'whole'}-{st}" for a, s, st in CASES])
@@ -157,7 +151,7 @@ def test_a_failure_at_any_step_leaves_the_slot_free(tmp_path, fake, monkeypatch,
         assert error_shaped(api, reply.get_json())
     elif reply is not None and reply.status_code >= 400:
         assert error_shaped(api, reply.get_json()), reply.get_data()
-    assert not switch.lock.thread_lock.locked(), "the thread lock is still held"
+    assert not switch.lock.held_here(), "the thread lock is still held"
 
     monkeypatch.undo()
     app.kvproxy_break_hook = False
@@ -176,6 +170,6 @@ def test_the_reported_lone_surrogate_does_not_keep_the_slot(tmp_path, fake):
             b'"messages":[{"role":"user","content":"hi"}]}')
     first = client.post("/v1/messages", data=body, content_type="application/json")
     assert first.status_code < 500 or first.get_json()["type"] == "error"
-    assert not app.extensions["kvproxy.switch"].lock.thread_lock.locked()
+    assert not app.extensions["kvproxy.switch"].lock.held_here()
     again = client.post("/v1/messages", json={"model": "m", "max_tokens": 2, "messages": MESSAGES})
     assert again.status_code == 200

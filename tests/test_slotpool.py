@@ -8,7 +8,7 @@ from kvproxy.sessions.identity import Session
 from kvproxy.slots.lock import SlotBusy
 from kvproxy.slots.pool import SlotPool
 from kvproxy.storage.store import SessionStore
-from tests.fake_llama import fake, make_switch  # noqa: F401 - fake is a fixture
+from tests.fake_llama import make_switch
 
 
 @pytest.mark.parametrize("bound, advised", [(0.3, 1), (7, 7), (120, 30)])

@@ -71,7 +71,7 @@ def last_error(api: str, text: str) -> tuple[int | str, str]:
 
 
 def slot_is_free(app) -> bool:
-    return not app.extensions["kvproxy.switch"].lock.thread_lock.locked()
+    return not app.extensions["kvproxy.switch"].lock.held_here()
 
 
 @pytest.mark.parametrize("api", STREAMS)

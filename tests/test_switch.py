@@ -2,20 +2,14 @@
 import threading
 
 import pytest
-import responses
 
 from kvproxy import create_app
 from kvproxy.sessions.identity import Session, base_stem, client_key, file_stem
 from kvproxy.upstream.llama import LlamaClient
 from kvproxy.storage.store import SessionStore
 from kvproxy.slots.switch import BASE, HIT, MISS, RESTORED, SlotBusy, SlotSwitch, fingerprint_key
-from tests.fake_llama import UPSTREAM, FakeLlama, FakePrompt
+from tests.fake_llama import UPSTREAM, FakePrompt
 
-
-@pytest.fixture
-def fake(tmp_path):
-    with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
-        yield FakeLlama(mock, tmp_path)
 
 
 def make_switch(tmp_path, **kwargs):
@@ -203,10 +197,10 @@ def test_whole_answer_holds_the_slot_until_the_reply_is_closed(tmp_path, fake):
                                    buffered=False)
     assert reply.status_code == 200 and reply.json["choices"]
     stem = file_stem(client_key("held"))
-    assert switch.lock.thread_lock.locked()
+    assert switch.lock.held_here()
     assert not (SessionStore(tmp_path).read_sidecar(stem) or {}).get("hits")
     reply.close()
-    assert not switch.lock.thread_lock.locked()
+    assert not switch.lock.held_here()
     assert SessionStore(tmp_path).read_sidecar(stem)["hits"] == 1
 
 
@@ -226,6 +220,6 @@ def test_a_failing_hook_after_the_answer_does_not_keep_the_slot(tmp_path, fake):
     body = {"messages": [{"role": "user", "content": "hi"}]}
     reply = client.post("/v1/chat/completions", json=body)
     assert reply.status_code == 500 and reply.json["error"]["code"] == 500
-    assert not switch.lock.thread_lock.locked()
+    assert not switch.lock.held_here()
     failing.append(False)
     assert client.post("/v1/chat/completions", json=body).status_code == 200

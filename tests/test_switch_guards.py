@@ -13,7 +13,7 @@ from kvproxy.sessions.identity import Session
 from kvproxy.upstream.llama import LlamaClient
 from kvproxy.storage.store import SessionStore
 from kvproxy.slots.switch import HIT, MISS, RESTORED, SlotBusy, SlotSwitch
-from tests.fake_llama import UPSTREAM, FakeLlama, FakePrompt, fake, make_switch  # noqa: F401 - fake is a fixture
+from tests.fake_llama import UPSTREAM, FakeLlama, FakePrompt, make_switch
 from tests.test_switch_records import metric
 
 A = Session("A", "test", system_hash="aaaa")

@@ -13,7 +13,7 @@ from kvproxy.slots.restore_check import UNKNOWN_CAUSE
 from kvproxy.upstream.llama import LlamaClient, UpstreamError
 from kvproxy.storage.store import SessionStore, StorageError
 from kvproxy.slots.switch import MISS, RESTORED, SlotBusy, SlotSwitch
-from tests.fake_llama import UPSTREAM, FakeLlama, FakePrompt, fake, make_switch  # noqa: F401 - fake is a fixture
+from tests.fake_llama import UPSTREAM, FakeLlama, FakePrompt, make_switch
 
 A = Session("A", "test", system_hash="aaaa", key="A#aaaa")
 B = Session("B", "test", system_hash="bbbb")

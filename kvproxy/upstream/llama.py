@@ -113,19 +113,11 @@ class LlamaClient:
         sock = getattr(connection, "sock", None)
         self._witness = (connection, sock) if sock is not None else None
 
-    def same_server_as_last_slot_call(self) -> bool:
-        """True when the connection that carried the last slot call is still open.
-
-        A llama-server restart closes every connection to the old process, so an
-        open one proves the slot still holds what the last call left in it. This
-        spares a ``/slots`` round trip on every request; when the answer is not
-        certain (no call yet, connection closed, reused or busy) it is False.
-        """
-        return self.still_open(self._witness)
-
     def witness(self) -> tuple[Any, Any] | None:
-        """The connection of the last slot call, to ask ``still_open`` about later: with
-        several slots each slot keeps the witness of the moment its content was recorded."""
+        """The connection of the last slot call, to ask ``still_open`` about later: a
+        llama-server restart closes every connection to the old process, so one still open
+        proves the slot holds what that call left (no ``/slots`` round trip on a hit). Each
+        slot keeps the witness of the moment its content was recorded."""
         return self._witness
 
     @staticmethod

@@ -13,6 +13,8 @@ import requests
 from kvproxy.launch.processes import ProxyServer
 from tests.nginx_harness import session_from
 
+pytestmark = pytest.mark.deploy  # starts gunicorn processes: not part of the unit set
+
 
 def probe(tmp_path, **env):
     return ProxyServer("http://127.0.0.1:9", str(tmp_path), log_path=str(tmp_path / "gunicorn.log"),
