@@ -58,9 +58,9 @@ def test_llama_server_was_started_with_swa_full_and_the_restore_probe_passed(swa
     assert not check["restore_check"]["restoring_off"], check
 
 
-def test_openai_a_returning_turn_reuses_its_restored_prompt(swa_stack):
-    client = openai.OpenAI(base_url=swa_stack.url + "/v1", api_key="x", max_retries=0,
-                           timeout=300)
+def openai_asker(url: str):
+    """``ask`` for ``interleave`` through the OpenAI client: (reply, reused, prompt tokens)."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=300)
 
     def ask(system, messages):
         reply = client.chat.completions.create(
@@ -69,7 +69,11 @@ def test_openai_a_returning_turn_reuses_its_restored_prompt(swa_stack):
         usage = reply.usage
         return (reply.choices[0].message.content or "", usage.prompt_tokens_details.cached_tokens,
                 usage.prompt_tokens)
-    (_, _), (reused, prompt) = interleave(ask, 31)
+    return ask
+
+
+def test_openai_a_returning_turn_reuses_its_restored_prompt(swa_stack):
+    (_, _), (reused, prompt) = interleave(openai_asker(swa_stack.url), 31)
     print(f"\nopenai: returning turn reused {reused} of {prompt} prompt tokens")
     assert reused >= 0.95 * prompt
 
@@ -117,16 +121,7 @@ def test_without_swa_full_the_restore_probe_switches_restoring_off_at_start(tmp_
         assert "start llama-server with --swa-full" in check["restore_check"]["cause"]
         failed = [line for line in stack.proxy_log().splitlines() if "restore probe failed" in line]
         assert len(failed) == 1 and "--swa-full" in failed[0]
-        client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0,
-                               timeout=300)
-
-        def ask(system, messages):
-            reply = client.chat.completions.create(
-                model="m", max_tokens=8, temperature=0,
-                messages=[{"role": "system", "content": system}, *messages])
-            return (reply.choices[0].message.content or "",
-                    reply.usage.prompt_tokens_details.cached_tokens, reply.usage.prompt_tokens)
-        (_, _), (reused, prompt) = interleave(ask, 61)
+        (_, _), (reused, prompt) = interleave(openai_asker(stack.url), 61)
         print(f"\nwithout --swa-full: returning turn reused {reused} of {prompt} prompt tokens; "
               f"probe: {failed[0].split('failed: ')[-1]}")
         assert reused < 0.5 * prompt
