@@ -115,3 +115,24 @@ def test_the_probe_empties_the_slot_it_used_and_a_half_done_probe_leaves_it_unpr
     assert switch.table.get(0).phase is Phase.EMPTY
     prove_restores(switch, ProbeClient(tmp_path, fail_at="restore"))
     assert switch.table.get(0).phase is Phase.UNPROVEN
+
+
+def test_a_slot_emptied_while_restoring_is_off_is_probed_again(fake, tmp_path, monkeypatch):
+    """llama-server restarted under a running kvproxy (with --swa-full, say): the next swap
+    finds the slot empty, measures again, and restoring is on for that same swap."""
+    from kvproxy.sessions.identity import Session
+    from kvproxy.slots import restore_probe
+    switch = make_switch(tmp_path)
+    key = fingerprint_key(switch.current_made_by())
+    switch.restore_check.measured(key, False, "a sliding-window model")
+    switch.table.put(0, SlotState(Phase.OURS, session_id="A", key="kA", stem="A",
+                                  persistent=True, tokens=9))   # /slots shows the slot empty
+    probed = []
+    monkeypatch.setattr(restore_probe, "probe", lambda client, root, slot: probed.append(slot)
+                        or restore_probe.ProbeVerdict(True, 120, 119))
+    switch.release(switch.acquire(Session("B", "test")), {})
+    assert probed == [0] and not switch.restore_check.restoring_off(key)
+    probed.clear()
+    switch.restore_check.measured(key, False, "a sliding-window model")
+    switch.release(switch.acquire(Session("C", "test")), {})
+    assert probed == [], "a slot that still holds what kvproxy left is not probed"

@@ -109,10 +109,11 @@ def test_ollama_a_returning_turn_computes_only_its_new_turn(swa_stack):
     assert computed <= 0.05 * system_tokens
 
 
-def test_without_swa_full_the_restore_probe_switches_restoring_off_at_start(tmp_path):
+def test_without_swa_full_restoring_is_off_from_the_start_and_back_on_after_the_fix(tmp_path):
     """Why the flag: the probe's restore on a default llama-server is recomputed, so before
     any conversation restoring is off with the fix named, and no file is written that
-    would never be restored; a conversation coming back is computed afresh."""
+    would never be restored; a conversation coming back is computed afresh. Restarting
+    llama-server with the flag turns restoring back on without restarting kvproxy."""
     stack = Stack(tmp_path, model=swa_model(), llama_args={"swa_full": False}).start()
     try:
         assert "--swa-full" not in stack.llama.command()
@@ -126,5 +127,15 @@ def test_without_swa_full_the_restore_probe_switches_restoring_off_at_start(tmp_
               f"probe: {failed[0].split('failed: ')[-1]}")
         assert reused < 0.5 * prompt
         assert not list(stack.slot_dir.glob("*.bin")), "no file that would never be restored"
+
+        # The fix, with kvproxy left running: the next swap finds its slot emptied, probes
+        # again, and restoring is back on for the conversations that follow.
+        stack.llama.swa_full = True
+        stack.llama.restart()
+        (_, _), (reused, prompt) = interleave(openai_asker(stack.url), 71)
+        print(f"after a restart with --swa-full: returning turn reused {reused} of {prompt}")
+        assert reused >= 0.95 * prompt
+        check = requests.get(stack.url + "/api/sessions/current", timeout=30).json()
+        assert not check["restore_check"]["restoring_off"], check
     finally:
         stack.stop()

@@ -100,13 +100,19 @@ def prove_restores(switch, client: LlamaClient) -> ProbeVerdict | None:
         log.info("restore probe skipped: every slot holds a session; restores are judged on "
                  "real requests")
         return None
+    return probe_slot(switch, client, slot, table.get(slot) or SlotState())
+
+
+def probe_slot(switch, client: LlamaClient, slot: int, state: SlotState) -> ProbeVerdict:
+    """Probe in ``slot`` (held by the caller, holding ``state``), leave it empty, and tell
+    the fingerprint and the restore check what was measured."""
     verdict = probe(client, switch.store.root, slot)
     if verdict.honoured is None:
         if verdict.touched:
             switch.mark_unknown(slot)  # the probe stopped half-way: trust nothing there
         log.warning("%s; restores are judged on real requests instead", verdict.detail)
         return verdict
-    switch.table.put(slot, emptied(table.get(slot) or SlotState(), False))
+    switch.table.put(slot, emptied(state, False))
     if verdict.kv_format:
         switch.kv_format = verdict.kv_format
     made_by = switch.current_made_by()

@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 from kvproxy.ops import metrics
 from kvproxy.ops.activity import RecentActivity
 from kvproxy.sessions.identity import DEFAULT_SESSION, Session, file_stem
-from kvproxy.slots import plan
+from kvproxy.slots import plan, restore_probe
 from kvproxy.slots.lease import Lease
 from kvproxy.slots.executor import (MIN_BASE_TOKENS, HeldElsewhere, PromptView,  # noqa: F401
                                     SlotExecutor)
@@ -246,6 +246,13 @@ class SlotSwitch:
         started = time.monotonic()
         made_by = self.current_made_by()
         restoring_off = self.restore_check.restoring_off(fingerprint_key(made_by))
+        if restoring_off and view == EMPTY and state.tokens > 0:
+            # The slot lost what kvproxy left in it: llama-server restarted, maybe with the
+            # fix (--swa-full). Measure again rather than wait out the switch-off.
+            log.info("slot %d was emptied while restoring is off: probing restores again", slot)
+            restore_probe.probe_slot(self, self.client, slot, state)
+            made_by = self.current_made_by()
+            restoring_off = self.restore_check.restoring_off(fingerprint_key(made_by))
         facts = self.executor.swap_facts(slot, state, session, view, made_by, restoring_off,
                                          self.base_snapshots, prompt is not None)
         filled = self.executor.carry_out(plan.plan_swap(facts), made_by, prompt,
