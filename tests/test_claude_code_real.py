@@ -114,8 +114,12 @@ def test_claude_code_cli_second_turn_comes_from_the_cache(stack, claude, tmp_pat
     print(f"\nfirst turn usage: {first['usage']['input_tokens']} input, "
           f"{first['usage']['cache_read_input_tokens']} cache read; second: "
           f"{used['input_tokens']} input, {used['cache_read_input_tokens']} cache read")
-    prompt = used["input_tokens"] + used["cache_read_input_tokens"]
-    assert used["cache_read_input_tokens"] >= 0.8 * prompt, used
+    # The second prompt is the first one, its sampled answer and the new question. All of the
+    # first prompt must come from the slot: a miss (base snapshot only) reads less than that.
+    # How much of the answer is reused again depends on how the CLI sends it back, and that
+    # answer's length is sampled, so no share of the whole is asserted.
+    first_prompt = first["usage"]["input_tokens"] + first["usage"]["cache_read_input_tokens"]
+    assert used["cache_read_input_tokens"] >= first_prompt, (first["usage"], used)
     assert first["usage"]["input_tokens"] > 0
     listed = http.get(stack.url + "/api/sessions", timeout=10).json()
     mine = [s for s in listed if s["session_id"] == first["session_id"]]
