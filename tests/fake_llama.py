@@ -17,6 +17,8 @@ from responses import matchers
 UPSTREAM = "http://llama.test"
 PROPS = {"model_path": "/models/tiny.gguf", "build_info": "b1-test", "total_slots": 1,
          "default_generation_settings": {"n_ctx": 8192}, "modalities": {"vision": False}}
+# The tag every file of the stub's model carries (``<stem>@tiny.bin``).
+MODEL = "tiny"
 MODELS = {"object": "list", "data": [{"id": "tiny.gguf", "object": "model", "created": 1,
                                       "meta": {"size": 1000, "n_params": 135, "n_ctx_train": 8192}}]}
 
@@ -211,3 +213,10 @@ class FakePrompt:
 
     def system_tokens(self, min_tokens=0):
         return self._system
+
+
+def stem_of(key: str) -> str:
+    """The file stem of a session key on the stub's model."""
+    from kvproxy.sessions.identity import file_stem, on_model
+    return on_model(file_stem(key), MODEL)
+

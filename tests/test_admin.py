@@ -7,7 +7,7 @@ import responses
 from kvproxy import create_app
 from kvproxy.sessions.identity import Session, client_key, file_stem, normalise_id
 from kvproxy.storage.store import now_iso
-from tests.fake_llama import UPSTREAM, FakeLlama
+from tests.fake_llama import UPSTREAM, FakeLlama, stem_of
 
 
 @pytest.fixture
@@ -60,7 +60,7 @@ def test_listing_delete_and_clear(app_and_fake, tmp_path):
 
     chat(client, "b")
     assert client.post("/api/sessions/clear", headers=AUTH).get_json()["session_id"] == "default"
-    assert fake.actions[-2:] == [("save", f"{file_stem(client_key('b'))}.saving.bin"), ("erase", None)]
+    assert fake.actions[-2:] == [("save", f"{stem_of(client_key('b'))}.saving.bin"), ("erase", None)]
     assert client.get("/api/sessions/current", headers=AUTH).get_json()["session_id"] == "default"
 
 
@@ -111,7 +111,7 @@ def test_api_slots_shows_each_slot_s_session_file_tokens_context_and_times(two_s
               "since": None, "last_used_at": None}
     assert busy_rows == [
         {"id": 0, "session_id": "alice", "persistent": True,
-         "file": f"{file_stem(client_key('alice'))}.bin", "tokens": 12, "n_ctx": 4096,
+         "file": f"{stem_of(client_key('alice'))}.bin", "tokens": 12, "n_ctx": 4096,
          "busy": True, "busy_since": held["busy_since"], "unproven": False,
          "since": held["since"], "last_used_at": held["last_used_at"]},
         unused]

@@ -15,11 +15,11 @@ from kvproxy.sessions.identity import Session, base_stem
 from kvproxy.upstream.llama import LlamaClient
 from kvproxy.storage.store import SIDECAR_FORMAT, SessionStore, StorageError
 from kvproxy.slots.switch import BASE, MISS, RESTORED, SlotSwitch
-from tests.fake_llama import UPSTREAM, FakeLlama, FakePrompt, make_switch
+from tests.fake_llama import UPSTREAM, FakeLlama, FakePrompt, make_switch, MODEL
 from tests.test_switch_records import metric
 
-A = Session("A", "test", system_hash="aaaa")
-B = Session("B", "test", system_hash="bbbb")
+A = Session("A", "test", system_hash="aaaa", model=MODEL)
+B = Session("B", "test", system_hash="bbbb", model=MODEL)
 OPENAI_BODY = {"messages": [{"role": "user", "content": "hi"}]}
 
 
@@ -222,7 +222,7 @@ def test_sweep_removes_leftovers_and_moves_orphans_aside(tmp_path, fake):
     switch = make_switch(tmp_path)
     turn(switch, A, fake)
     turn(switch, B, fake)                       # A saved, with its sidecar
-    turn(switch, Session("C", "test"), fake)   # B saved
+    turn(switch, Session("C", "test", model=MODEL), fake)   # B saved
     (tmp_path / f"{A.stem}.saving.bin").write_bytes(b"half")
     (tmp_path / "probe.0123456789abcdef.bin").write_bytes(b"ggsq")
     (tmp_path / f".{A.stem}.json.x1y2.tmp").write_text("{")
@@ -235,7 +235,7 @@ def test_sweep_removes_leftovers_and_moves_orphans_aside(tmp_path, fake):
                 "stray.bin", f"{B.stem}.json"} & names
     assert list((tmp_path / "quarantine").glob("stray.*.bin"))
     assert len(done) == 5 and any("stray.bin" in line and "no sidecar" in line for line in done)
-    assert SessionStore(tmp_path).read_sidecar(Session("C", "test").stem) is not None, \
+    assert SessionStore(tmp_path).read_sidecar(Session("C", "test", model=MODEL).stem) is not None, \
         "a sidecar that never had a file (only request counts) stays"
 
 
@@ -278,7 +278,7 @@ def test_eviction_happens_before_the_save(tmp_path, fake):
     fake.on_save = lambda name: sizes_at_save.append(
         sum(p.stat().st_size for p in tmp_path.glob("*.bin")) + fake.tokens + 4)
     for name in ("s1", "s2", "s3", "s4", "s5"):  # each file is 16 bytes
-        turn(switch, Session(name, "test"), fake)
+        turn(switch, Session(name, "test", model=MODEL), fake)
     assert sizes_at_save and max(sizes_at_save) <= 40
 
 
@@ -287,12 +287,12 @@ def test_a_session_whose_slot_holds_nothing_costs_no_other_file(tmp_path, fake):
     nothing, so it makes no room either, even in a folder full to its bound."""
     switch = make_switch(tmp_path, max_disk_bytes=32)
     for name in ("s1", "s2"):
-        turn(switch, Session(name, "test"), fake)
+        turn(switch, Session(name, "test", model=MODEL), fake)
     switch.release(switch.acquire(A))            # s2 saved: two 16-byte files, the bound
     assert fake.tokens == 0, "cut before any token: no timings, the slot empty"
     turn(switch, B, fake)                        # A swapped out: its save writes nothing
     assert ("save", f"{A.stem}.saving.bin") in fake.actions
-    assert {p.stem for p in tmp_path.glob("*.bin")} == {Session(n, "test").stem
+    assert {p.stem for p in tmp_path.glob("*.bin")} == {Session(n, "test", model=MODEL).stem
                                                         for n in ("s1", "s2")}
 
 
@@ -303,21 +303,21 @@ def test_room_for_a_base_snapshot_is_made_before_it_is_saved(tmp_path, fake):
     fake.on_save = lambda name: sizes_at_save.append(
         (name, sum(p.stat().st_size for p in tmp_path.glob("*.bin")) + fake.tokens + 4))
     for name in ("s1", "s2", "s3"):                  # 16-byte files: s1 and s2 saved
-        turn(switch, Session(name, "test"), fake)
+        turn(switch, Session(name, "test", model=MODEL), fake)
     system = list(range(32))
-    lease = turn(switch, Session("new", "test", system_hash="cafe"), fake,
+    lease = turn(switch, Session("new", "test", system_hash="cafe", model=MODEL), fake,
                  prompt=FakePrompt(system + [900, 901], system))   # s3 saved, then the base
-    assert lease.cache == MISS and (tmp_path / f"{base_stem('cafe')}.bin").stat().st_size == 36
-    (base_save,) = [size for name, size in sizes_at_save if name.startswith(base_stem("cafe"))]
+    assert lease.cache == MISS and (tmp_path / f"{base_stem('cafe', MODEL)}.bin").stat().st_size == 36
+    (base_save,) = [size for name, size in sizes_at_save if name.startswith(base_stem("cafe", MODEL))]
     assert base_save <= 64, "the folder went over its bound while the base was written"
 
 
 def test_a_session_saved_over_its_own_file_needs_room_only_for_its_growth(tmp_path, fake):
     switch = make_switch(tmp_path, max_disk_bytes=56)
-    C = Session("C", "test")
+    C = Session("C", "test", model=MODEL)
     for session in (C, A, B, A):         # C's, A's and B's files: 48 of 56 bytes
         turn(switch, session, fake)
-    turn(switch, Session("D", "test"), fake)   # A saved again over its own 16 bytes: still 48
+    turn(switch, Session("D", "test", model=MODEL), fake)   # A saved again over its own 16 bytes: still 48
     assert sorted(p.name for p in tmp_path.glob("*.bin")) == sorted(
         f"{s.stem}.bin" for s in (A, B, C))
 
@@ -350,34 +350,34 @@ def test_orphans_count_toward_the_bound_and_go_first(tmp_path, fake):
 
 def test_eviction_spares_the_incoming_session_and_its_base(tmp_path, fake):
     switch = make_switch(tmp_path, base_snapshots=True, max_disk_bytes=96)
-    old = Session("old", "test", system_hash="cafe")
+    old = Session("old", "test", system_hash="cafe", model=MODEL)
     system = list(range(32))
     turn(switch, old, fake, tokens=40, prompt=FakePrompt(system + [900, 901], system))  # base.cafe saved (36)
-    assert (tmp_path / f"{base_stem('cafe')}.bin").stat().st_size == 36
+    assert (tmp_path / f"{base_stem('cafe', MODEL)}.bin").stat().st_size == 36
     for name in ("s1", "s2"):
-        turn(switch, Session(name, "test"), fake)        # old (44), s1 (16) saved: 96
+        turn(switch, Session(name, "test", model=MODEL), fake)        # old (44), s1 (16) saved: 96
     # Back to old: saving s2 needs room; old's file and base.cafe are the least recently used.
     lease = turn(switch, old, fake)
     assert lease.cache == RESTORED
-    assert (tmp_path / f"{base_stem('cafe')}.bin").exists()
-    assert not (tmp_path / f"{Session('s1', 'test').stem}.bin").exists()
-    new = turn(switch, Session("new", "test", system_hash="cafe"), fake)
+    assert (tmp_path / f"{base_stem('cafe', MODEL)}.bin").exists()
+    assert not (tmp_path / f"{Session('s1', 'test', model=MODEL).stem}.bin").exists()
+    new = turn(switch, Session("new", "test", system_hash="cafe", model=MODEL), fake)
     assert new.cache == BASE
 
 
 def test_free_space_reserve_evicts_or_refuses(tmp_path, fake, monkeypatch):
     switch = make_switch(tmp_path, min_free_bytes=100)
     for name in ("s1", "s2", "s3"):
-        turn(switch, Session(name, "test"), fake)        # s1, s2 saved: 16 bytes each
+        turn(switch, Session(name, "test", model=MODEL), fake)        # s1, s2 saved: 16 bytes each
     free = {"bytes": 110}
     monkeypatch.setattr(switch.budget, "free_bytes", lambda: free["bytes"])
-    turn(switch, Session("s4", "test"), fake)           # saving s3 (~16) needs 116 free: evict s1
-    assert not (tmp_path / f"{Session('s1', 'test').stem}.bin").exists()
-    assert (tmp_path / f"{Session('s2', 'test').stem}.bin").exists()
+    turn(switch, Session("s4", "test", model=MODEL), fake)           # saving s3 (~16) needs 116 free: evict s1
+    assert not (tmp_path / f"{Session('s1', 'test', model=MODEL).stem}.bin").exists()
+    assert (tmp_path / f"{Session('s2', 'test', model=MODEL).stem}.bin").exists()
     free["bytes"] = 10
     before = sorted(p.name for p in tmp_path.iterdir())
     with pytest.raises(StorageError, match="KVPROXY_MIN_FREE_GB"):
-        switch.acquire(Session("s5", "test"))
+        switch.acquire(Session("s5", "test", model=MODEL))
     assert sorted(p.name for p in tmp_path.iterdir()) == before, "nothing deleted, nothing written"
     assert state_names(tmp_path) == "s4"
 

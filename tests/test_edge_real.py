@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from conftest import Stack
-from kvproxy.sessions.identity import client_key, file_stem, normalise_id
+from kvproxy.sessions.identity import client_key, file_stem, model_tag, normalise_id, on_model
 
 pytestmark = pytest.mark.real
 
@@ -188,7 +188,7 @@ def test_sigterm_ends_a_long_stream_and_saves_the_session(edge):
     assert ended < STOP_GRACE + 15, f"the stream took {ended:.1f} s to end"
     edge.proxy.process.wait(40)
     try:
-        stem = file_stem(client_key(session))
+        stem = on_model(file_stem(client_key(session)), model_tag(edge.llama.model))
         sidecar = json.loads((edge.slot_dir / f"{stem}.json").read_text())
         assert sidecar.get("n_tokens", 0) > 20, "the conversation's tokens were saved at shutdown"
         assert (edge.slot_dir / f"{stem}.bin").stat().st_size == sidecar["n_bytes"]

@@ -12,7 +12,7 @@ from kvproxy import create_app
 from kvproxy.sessions import identity
 from kvproxy.storage.store import SessionStore
 from kvproxy.slots.lease import header_safe
-from tests.fake_llama import UPSTREAM, FakeLlama
+from tests.fake_llama import UPSTREAM, FakeLlama, stem_of
 
 HOSTILE = {
     "lone-surrogate": "\ud800",
@@ -95,7 +95,7 @@ def test_hostile_ids_are_answered_and_leave_the_slot_free(app_and_fake, caplog, 
         assert "\n" not in line and "\r" not in line and line.isprintable(), line
         line.encode("utf-8")
     for file in SessionStore(app.config["KVPROXY"].slot_dir).root.iterdir():
-        assert re.fullmatch(r"[A-Za-z0-9_.-]+", file.name)
+        assert re.fullmatch(r"[A-Za-z0-9_.@-]+", file.name)
     samples = [line for line in client.get("/metrics").get_data(as_text=True).splitlines()
                if not line.startswith("#")]
     assert not any(HOSTILE[name][:20] in line for line in samples)
@@ -214,8 +214,8 @@ def test_a_client_naming_a_conversation_gets_its_own_file(app_and_fake):
                         json={"messages": [{"role": "user", "content": "what did they ask?"}]})
     assert probe.headers["X-KVProxy-Session"] == conv
     assert probe.headers["X-KVProxy-Cache"] == "miss", "the probe must not get the conversation"
-    conv_file = f"{identity.file_stem(conv)}.bin"
-    conv_save = ("save", f"{identity.file_stem(conv)}.saving.bin")  # checked, then renamed
+    conv_file = f"{stem_of(conv)}.bin"
+    conv_save = ("save", f"{stem_of(conv)}.saving.bin")  # checked, then renamed
     assert ("restore", conv_file) not in fake.actions
     assert [a for a in fake.actions if a == conv_save] == [conv_save]
     assert (fake.slot_dir / conv_file).is_file()

@@ -18,13 +18,13 @@ from kvproxy.storage.store import (STATE_FILE, STATE_FORMAT, SessionStore, State
 from kvproxy.slots.placement import FREE
 from kvproxy.slots.pool import Taken
 from kvproxy.slots.switch import HIT, MISS, RESTORED, ClientGone, SlotBusy, SlotSwitch
-from tests.fake_llama import UPSTREAM, FakeLlama
+from tests.fake_llama import UPSTREAM, FakeLlama, MODEL
 from tests.test_switch_records import metric
 
-A = Session("A", "test")
-B = Session("B", "test")
-C = Session("C", "test")
-SIDE = Session("side", "side-request", persistent=False)
+A = Session("A", "test", model=MODEL)
+B = Session("B", "test", model=MODEL)
+C = Session("C", "test", model=MODEL)
+SIDE = Session("side", "side-request", persistent=False, model=MODEL)
 
 
 @pytest.fixture
@@ -373,16 +373,16 @@ def test_a_base_snapshot_is_made_and_restored_in_the_slot_the_session_runs_in(mo
     busy = switch.acquire(A)
     prompt = FakePrompt(range(110), list(range(100)))
     computed = metric("kvproxy_prompt_tokens_total", kind="computed")
-    first = switch.acquire(Session("B", "test", system_hash="bbbb"), prompt=prompt)
+    first = switch.acquire(Session("B", "test", system_hash="bbbb", model=MODEL), prompt=prompt)
     assert first.slot == 1 and fake.pinned == [1], "the prefill runs in the session's slot"
-    base = store.read_sidecar(base_stem("bbbb"))
+    base = store.read_sidecar(base_stem("bbbb", MODEL))
     assert (base["saved_from_slot"], base["n_tokens"], base["prefill_computed"]) == (1, 100, 100)
     assert metric("kvproxy_prompt_tokens_total", kind="computed") == computed + 100
     switch.release(first, {"cache_n": 100, "prompt_n": 9, "predicted_n": 1})
-    second = switch.acquire(Session("C", "test", system_hash="bbbb"), prompt=prompt)
+    second = switch.acquire(Session("C", "test", system_hash="bbbb", model=MODEL), prompt=prompt)
     assert (second.slot, second.cache, second.restored_tokens) == (1, BASE, 100)
-    assert ("restore", f"{base_stem('bbbb')}.bin") in actions_on(fake, 1)
-    restored = store.read_sidecar(base_stem("bbbb"))
+    assert ("restore", f"{base_stem('bbbb', MODEL)}.bin") in actions_on(fake, 1)
+    restored = store.read_sidecar(base_stem("bbbb", MODEL))
     assert restored["restored_into_slot"] == 1 and restored["last_used_at"] >= base["saved_at"]
     assert actions_on(fake, 0) == [("erase", None)], "the busy slot was never touched"
     switch.release(second)
@@ -428,7 +428,7 @@ def test_a_file_whose_session_another_slot_holds_is_never_evicted(mock, tmp_path
     assert held_b.cache == RESTORED
     store = SessionStore(tmp_path)
     store.update_sidecar(B.stem, {}, last_used_at="2000-01-01T00:00:00+00:00")
-    answer(switch, Session("D", "test"), fake, tokens=12)   # slot 0: saving C needs room
+    answer(switch, Session("D", "test", model=MODEL), fake, tokens=12)   # slot 0: saving C needs room
     assert (tmp_path / f"{B.stem}.bin").exists(), "the file of the session slot 1 holds"
     assert not (tmp_path / f"{A.stem}.bin").exists(), "the least recently used of the rest"
     assert (tmp_path / f"{C.stem}.bin").exists()
@@ -469,8 +469,8 @@ def test_forget_empties_every_slot_of_the_id_when_one_changed_hands_first(mock, 
     another session just before forget gets to it: the second slot is emptied all the same."""
     fake = fake_with(mock, tmp_path, 2)
     switch, other = switch_over(tmp_path), switch_over(tmp_path)
-    first = Session("A", "test", system_hash="aaaa", key="A#aaaa")
-    second = Session("A", "test", system_hash="cccc", key="A#cccc")
+    first = Session("A", "test", system_hash="aaaa", key="A#aaaa", model=MODEL)
+    second = Session("A", "test", system_hash="cccc", key="A#cccc", model=MODEL)
     assert answer(switch, first, fake).slot == 0
     assert answer(switch, second, fake, tokens=30).slot == 1
     lock = switch.pool.lock(0)
@@ -492,7 +492,7 @@ def test_forget_empties_every_slot_of_the_id_when_one_changed_hands_first(mock, 
 def test_the_save_at_shutdown_waits_for_busy_slots_within_one_bound_for_all(mock, tmp_path):
     fake_with(mock, tmp_path, 5)
     switch = switch_over(tmp_path)
-    leases = [switch.acquire(Session(f"s{n}", "test")) for n in range(5)]
+    leases = [switch.acquire(Session(f"s{n}", "test", model=MODEL)) for n in range(5)]
     assert sorted(lease.slot for lease in leases) == [0, 1, 2, 3, 4]
     started = time.monotonic()
     try:
@@ -556,10 +556,10 @@ def test_the_file_a_slot_is_being_filled_from_is_not_evicted_by_another_process(
     answer(first, A, fake, tokens=12)        # slot 0
     answer(first, B, fake, tokens=12)        # slot 1
     answer(first, C, fake, tokens=12)        # slot 0: A saved (16 bytes)
-    answer(first, Session("D", "test"), fake, tokens=12)        # slot 1: B saved (32)
+    answer(first, Session("D", "test", model=MODEL), fake, tokens=12)        # slot 1: B saved (32)
     SessionStore(tmp_path).update_sidecar(A.stem, {}, last_used_at="2000-01-01T00:00:00+00:00")
     first.executor.claim(0, A, [0, 1])  # first is about to restore A into slot 0
-    answer(second, Session("E", "test"), fake, tokens=12)   # slot 1: saving D needs room
+    answer(second, Session("E", "test", model=MODEL), fake, tokens=12)   # slot 1: saving D needs room
     assert (tmp_path / f"{A.stem}.bin").exists(), "the file being restored"
     assert not (tmp_path / f"{B.stem}.bin").exists()
 
@@ -648,7 +648,7 @@ def test_a_fresh_chat_that_made_a_base_snapshot_is_not_judged_as_a_restore(mock,
     switch = switch_over(tmp_path, base_snapshots=True)
     key = fingerprint_key(switch.current_made_by())
     switch.restore_check.record(key, False)      # one unhonoured restore before
-    lease = switch.acquire(Session("B", "test", system_hash="bbbb"),
+    lease = switch.acquire(Session("B", "test", system_hash="bbbb", model=MODEL),
                            prompt=FakePrompt(range(110), list(range(100))))
     assert lease.cache == MISS and lease.restored_tokens == 100
     switch.release(lease, {"cache_n": 100, "prompt_n": 10, "predicted_n": 1})

@@ -19,12 +19,12 @@ from kvproxy.storage.store import SessionStore
 from kvproxy.slots.plan import (EMPTY, FOREIGN, OURS, UNKNOWN, judge_slot,
                           too_big)
 from kvproxy.slots.switch import HIT, RESTORED, ClientGone, SlotBusy, SlotSwitch, fingerprint_key
-from tests.fake_llama import UPSTREAM, FakeLlama, make_switch
+from tests.fake_llama import UPSTREAM, FakeLlama, make_switch, MODEL
 from tests.test_switch import FakePrompt, turn
 from tests.test_switch_records import metric
 
-A = Session("A", "test")
-B = Session("B", "test")
+A = Session("A", "test", model=MODEL)
+B = Session("B", "test", model=MODEL)
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
 

@@ -13,7 +13,7 @@ from kvproxy.sessions.identity import Session, client_key
 from kvproxy.ops.status import restore_check_view, session_rows
 from kvproxy.storage.store import SIDECAR_FORMAT
 from kvproxy.slots.switch import fingerprint, fingerprint_key
-from tests.fake_llama import MODELS, PROPS, UPSTREAM, FakeLlama
+from tests.fake_llama import MODELS, PROPS, UPSTREAM, FakeLlama, MODEL
 
 AUTH = {"Authorization": "Bearer s3cret"}
 STATIC = Path(__file__).resolve().parent.parent / "kvproxy" / "static"
@@ -54,7 +54,7 @@ def test_status_shows_slot_sessions_outcomes_swaps_disk_and_llama(fake_app, tmp_
 
     assert data["slots"] == [{**data["slots"][0], "id": 0, "session_id": "alice",
                               "persistent": True, "busy": False}]
-    assert data["slots"][0]["file"] == f"{Session('alice', 't', key=client_key('alice')).stem}.bin"
+    assert data["slots"][0]["file"] == f"{Session('alice', 't', key=client_key('alice'), model=MODEL).stem}.bin"
     assert data["slots"][0]["tokens"] == 37 and data["slots"][0]["n_ctx"] == 8192
 
     rows = {r["id"]: r for r in data["sessions"]}
@@ -119,7 +119,7 @@ def test_every_slot_is_a_row_with_its_own_session_and_state_and_swaps_name_their
 def test_busy_while_a_request_holds_the_slot(fake_app):
     app, _ = fake_app()
     switch = app.extensions["kvproxy.switch"]
-    lease = switch.acquire(Session("carol", "t"))
+    lease = switch.acquire(Session("carol", "t", model=MODEL))
     try:
         assert app.test_client().get("/api/status").get_json()["slots"][0]["busy"] is True
     finally:

@@ -7,7 +7,8 @@ import pytest
 
 from kvproxy.storage import store as store_module
 from kvproxy.storage.disk import DiskBudget, is_leftover, sweep
-from kvproxy.storage.store import STATE_FILE, STATE_LOCK, SessionStore, StorageError, migrate_sidecar, write_json_beside
+from kvproxy.storage.store import (SIDECAR_FORMAT, STATE_FILE, STATE_LOCK, SessionStore,
+                                   StorageError, migrate_sidecar, write_json_beside)
 
 
 def evict(store: SessionStore, max_bytes: int, keep: set[str]) -> list[tuple[str, int]]:
@@ -96,8 +97,15 @@ def test_a_new_sidecar_says_when_it_was_made_and_keeps_that_time(tmp_path):
 def test_an_older_sidecar_gets_a_checked_size_only_for_a_file_that_was_saved():
     saved = migrate_sidecar({"format": 1, "stem": "x", "saved_at": "t", "n_bytes": 7})
     never_saved = migrate_sidecar({"format": 1, "stem": "y", "n_bytes": 7})
-    assert saved["saved_bytes"] == 7 and saved["format"] == 2
-    assert "saved_bytes" not in never_saved and never_saved["format"] == 2
+    assert saved["saved_bytes"] == 7 and saved["format"] == SIDECAR_FORMAT
+    assert "saved_bytes" not in never_saved and never_saved["format"] == SIDECAR_FORMAT
+
+
+def test_a_format_2_sidecar_names_the_model_its_made_by_gives():
+    made = migrate_sidecar({"format": 2, "stem": "x", "saved_at": "t",
+                            "made_by": {"model_path": "/m/SmolLM2-135M.gguf"}})
+    assert made["model"] == "SmolLM2-135M" and made["format"] == 3
+    assert migrate_sidecar({"format": 2, "stem": "y", "hits": 1})["model"] is None
 
 
 def test_a_sidecar_write_cut_off_before_its_rename_leaves_what_the_sweep_deletes(tmp_path):

@@ -8,7 +8,7 @@ from kvproxy.sessions.identity import Session, base_stem, client_key, file_stem
 from kvproxy.upstream.llama import LlamaClient
 from kvproxy.storage.store import SessionStore
 from kvproxy.slots.switch import BASE, HIT, MISS, RESTORED, SlotBusy, SlotSwitch, fingerprint_key
-from tests.fake_llama import UPSTREAM, FakePrompt
+from tests.fake_llama import UPSTREAM, FakePrompt, MODEL, stem_of
 
 
 
@@ -25,9 +25,9 @@ def turn(switch, session, fake, timings=None):
     return lease
 
 
-A = Session("A", "test", system_hash="aaaa")
-B = Session("B", "test", system_hash="bbbb")
-DEFAULT = Session("default", "default", persistent=False)
+A = Session("A", "test", system_hash="aaaa", model=MODEL)
+B = Session("B", "test", system_hash="bbbb", model=MODEL)
+DEFAULT = Session("default", "default", persistent=False, model=MODEL)
 
 
 def test_new_session_erases_and_same_session_does_nothing(tmp_path, fake):
@@ -72,10 +72,10 @@ def test_file_from_another_model_is_not_restored(tmp_path, fake):
     switch = make_switch(tmp_path, base_snapshots=False)
     turn(switch, A, fake)
     turn(switch, B, fake)
-    fake.props = {**fake.props, "model_path": "/models/other.gguf"}
+    fake.props = {**fake.props, "model_path": "/elsewhere/tiny.gguf"}
     assert turn(switch, A, fake).cache == MISS
     assert ("restore", f"{A.stem}.bin") not in fake.actions
-    assert "other.gguf" in SessionStore(tmp_path).read_sidecar(A.stem)["refused"]
+    assert "/elsewhere/tiny.gguf" in SessionStore(tmp_path).read_sidecar(A.stem)["refused"]
 
 
 def test_failed_restore_leaves_a_clean_slot(tmp_path, fake):
@@ -91,19 +91,19 @@ def test_failed_restore_leaves_a_clean_slot(tmp_path, fake):
 def test_base_snapshot_holds_only_the_system_prompt_and_serves_new_sessions(tmp_path, fake):
     switch = make_switch(tmp_path)
     system = list(range(100))
-    one = Session("one", "test", system_hash="cafe")
-    two = Session("two", "test", system_hash="cafe")
+    one = Session("one", "test", system_hash="cafe", model=MODEL)
+    two = Session("two", "test", system_hash="cafe", model=MODEL)
     lease = switch.acquire(one, prompt=FakePrompt(system + [900, 901], system))
     assert lease.cache == MISS
     assert fake.prefills == [system], "the system prompt alone is computed first"
-    assert fake.actions == [("erase", None), ("save", f"{base_stem('cafe')}.saving.bin")]
-    assert SessionStore(tmp_path).read_sidecar(base_stem("cafe"))["n_tokens"] == len(system)
+    assert fake.actions == [("erase", None), ("save", f"{base_stem('cafe', MODEL)}.saving.bin")]
+    assert SessionStore(tmp_path).read_sidecar(base_stem("cafe", MODEL))["n_tokens"] == len(system)
     fake.tokens = 112
     switch.release(lease, {"cache_n": 99, "prompt_n": 3, "predicted_n": 10})
     lease = turn(switch, two, fake)
     assert lease.cache == BASE and lease.restored_tokens == len(system)
-    assert fake.actions[-2:] == [("save", f"{one.stem}.saving.bin"), ("restore", f"{base_stem('cafe')}.bin")]
-    assert sum(1 for a in fake.actions if a == ("save", f"{base_stem('cafe')}.saving.bin")) == 1
+    assert fake.actions[-2:] == [("save", f"{one.stem}.saving.bin"), ("restore", f"{base_stem('cafe', MODEL)}.bin")]
+    assert sum(1 for a in fake.actions if a == ("save", f"{base_stem('cafe', MODEL)}.saving.bin")) == 1
 
 
 def test_llama_server_restart_is_noticed(tmp_path, fake):
@@ -164,7 +164,7 @@ def test_busy_slot_is_503_with_retry_after_in_openai_shape(tmp_path, fake):
 
 def test_slot_folder_is_kept_within_its_bound(tmp_path, fake):
     switch = make_switch(tmp_path, base_snapshots=False, max_disk_bytes=40)
-    sessions = [Session(name, "test") for name in ("s1", "s2", "s3", "s4")]
+    sessions = [Session(name, "test", model=MODEL) for name in ("s1", "s2", "s3", "s4")]
     for session in sessions:  # each saved file is 16 bytes
         turn(switch, session, fake)
     turn(switch, sessions[0], fake)  # s1 is used again: s2 is now the oldest
@@ -178,14 +178,14 @@ def test_slot_folder_is_kept_within_its_bound(tmp_path, fake):
 def test_base_from_another_model_is_replaced(tmp_path, fake):
     switch = make_switch(tmp_path)
     prompt = FakePrompt(range(60), list(range(50)))
-    switch.release(switch.acquire(Session("one", "test", system_hash="cafe"), prompt=prompt))
-    fake.props = {**fake.props, "model_path": "/models/other.gguf"}
-    lease = switch.acquire(Session("two", "test", system_hash="cafe"), prompt=prompt)
+    switch.release(switch.acquire(Session("one", "test", system_hash="cafe", model=MODEL), prompt=prompt))
+    fake.props = {**fake.props, "model_path": "/elsewhere/tiny.gguf"}
+    lease = switch.acquire(Session("two", "test", system_hash="cafe", model=MODEL), prompt=prompt)
     switch.release(lease)
     assert lease.cache == MISS
-    sidecar = SessionStore(tmp_path).read_sidecar(base_stem("cafe"))
-    assert sidecar["made_by"]["model_path"] == "/models/other.gguf"
-    assert turn(switch, Session("three", "test", system_hash="cafe"), fake).cache == BASE
+    sidecar = SessionStore(tmp_path).read_sidecar(base_stem("cafe", MODEL))
+    assert sidecar["made_by"]["model_path"] == "/elsewhere/tiny.gguf"
+    assert turn(switch, Session("three", "test", system_hash="cafe", model=MODEL), fake).cache == BASE
 
 
 def test_whole_answer_holds_the_slot_until_the_reply_is_closed(tmp_path, fake):
@@ -196,7 +196,7 @@ def test_whole_answer_holds_the_slot_until_the_reply_is_closed(tmp_path, fake):
                                    json={"messages": [{"role": "user", "content": "hi"}]},
                                    buffered=False)
     assert reply.status_code == 200 and reply.json["choices"]
-    stem = file_stem(client_key("held"))
+    stem = stem_of(client_key("held"))
     assert switch.lock.held_here()
     assert not (SessionStore(tmp_path).read_sidecar(stem) or {}).get("hits")
     reply.close()

@@ -13,12 +13,12 @@ from kvproxy.sessions.identity import Session
 from kvproxy.upstream.llama import LlamaClient
 from kvproxy.storage.store import SessionStore
 from kvproxy.slots.switch import HIT, MISS, RESTORED, SlotBusy, SlotSwitch
-from tests.fake_llama import UPSTREAM, FakeLlama, FakePrompt, make_switch
+from tests.fake_llama import UPSTREAM, FakeLlama, FakePrompt, make_switch, MODEL
 from tests.test_switch_records import metric
 
-A = Session("A", "test", system_hash="aaaa")
-B = Session("B", "test", system_hash="bbbb")
-DEFAULT = Session("default", "default", persistent=False)
+A = Session("A", "test", system_hash="aaaa", model=MODEL)
+B = Session("B", "test", system_hash="bbbb", model=MODEL)
+DEFAULT = Session("default", "default", persistent=False, model=MODEL)
 
 
 
@@ -161,7 +161,8 @@ def _change_model(fake, part: str) -> None:
     settings = fake.props["default_generation_settings"]
     meta = fake.models["data"][0]["meta"]
     if part == "model_path":
-        fake.props["model_path"] = "/models/other.gguf"
+        # another file of the same name: files carry the name's tag, the fingerprint the path
+        fake.props["model_path"] = "/elsewhere/tiny.gguf"
     elif part == "n_ctx":
         settings["n_ctx"] = settings["n_ctx"] // 2
     elif part == "build_info":

@@ -13,11 +13,11 @@ from kvproxy.slots.restore_check import UNKNOWN_CAUSE
 from kvproxy.upstream.llama import LlamaClient, UpstreamError
 from kvproxy.storage.store import SessionStore, StorageError
 from kvproxy.slots.switch import MISS, RESTORED, SlotBusy, SlotSwitch
-from tests.fake_llama import UPSTREAM, FakeLlama, FakePrompt, make_switch
+from tests.fake_llama import UPSTREAM, FakeLlama, FakePrompt, make_switch, MODEL
 
-A = Session("A", "test", system_hash="aaaa", key="A#aaaa")
-B = Session("B", "test", system_hash="bbbb")
-DEFAULT = Session("default", "default", persistent=False)
+A = Session("A", "test", system_hash="aaaa", key="A#aaaa", model=MODEL)
+B = Session("B", "test", system_hash="bbbb", model=MODEL)
+DEFAULT = Session("default", "default", persistent=False, model=MODEL)
 
 
 
@@ -162,7 +162,7 @@ def test_base_snapshot_sidecar_and_metric(tmp_path, fake):
     switch = make_switch(tmp_path, base_snapshots=True)
     before = metric("kvproxy_swaps_total", kind="base")
     answer(switch, A, fake, prompt=FakePrompt(range(110), list(range(100))))
-    base = SessionStore(tmp_path).read_sidecar(base_stem("aaaa"))
+    base = SessionStore(tmp_path).read_sidecar(base_stem("aaaa", MODEL))
     assert (base["session_id"], base["kind"], base["system_hash"]) == ("base:aaaa", "base", "aaaa")
     assert metric("kvproxy_swaps_total", kind="base") == before + 1
 
@@ -177,7 +177,7 @@ def test_the_base_prefill_counts_its_tokens_reused_and_computed(tmp_path, fake):
     switch.release(switch.acquire(A, prompt=FakePrompt(range(110), list(range(100)))))
     assert metric("kvproxy_prompt_tokens_total", kind="reused") == reused + 30
     assert metric("kvproxy_prompt_tokens_total", kind="computed") == computed + 70
-    assert SessionStore(tmp_path).read_sidecar(base_stem("aaaa"))["prefill_computed"] == 70
+    assert SessionStore(tmp_path).read_sidecar(base_stem("aaaa", MODEL))["prefill_computed"] == 70
 
 
 def test_a_prefill_served_from_cache_counts_nothing_computed(tmp_path, fake):
@@ -186,7 +186,7 @@ def test_a_prefill_served_from_cache_counts_nothing_computed(tmp_path, fake):
     computed = metric("kvproxy_prompt_tokens_total", kind="computed")
     switch.release(switch.acquire(A, prompt=FakePrompt(range(110), list(range(100)))))
     assert metric("kvproxy_prompt_tokens_total", kind="computed") == computed
-    assert SessionStore(tmp_path).read_sidecar(base_stem("aaaa"))["prefill_computed"] == 0
+    assert SessionStore(tmp_path).read_sidecar(base_stem("aaaa", MODEL))["prefill_computed"] == 0
 
 
 @pytest.mark.parametrize("why", ["short system prompt", "prefill failed"])
@@ -213,9 +213,9 @@ def test_no_base_from_a_side_request_or_a_prompt_without_system(tmp_path, fake):
     """A side request (title, tags) is not a conversation: its system prompt is no base."""
     switch = make_switch(tmp_path, base_snapshots=True)
     prompt = FakePrompt(range(110), list(range(100)))
-    answer(switch, Session("task", "side-request", persistent=False, system_hash="aaaa"),
+    answer(switch, Session("task", "side-request", persistent=False, system_hash="aaaa", model=MODEL),
            fake, prompt=prompt)
-    answer(switch, Session("plain", "test"), fake, prompt=prompt)   # no system hash
+    answer(switch, Session("plain", "test", model=MODEL), fake, prompt=prompt)   # no system hash
     assert fake.prefills == [] and not list(tmp_path.glob("base.*"))
 
 
@@ -225,8 +225,8 @@ def test_a_base_is_not_saved_again_when_a_session_starts_empty(tmp_path, fake):
     prompt = FakePrompt(range(110), list(range(100)))
     answer(switch, A, fake, prompt=prompt)
     fake.fail_restore = True
-    assert answer(switch, Session("A2", "test", system_hash="aaaa"), fake, prompt=prompt).cache == MISS
-    assert fake.actions.count(("save", f"{base_stem('aaaa')}.saving.bin")) == 1
+    assert answer(switch, Session("A2", "test", system_hash="aaaa", model=MODEL), fake, prompt=prompt).cache == MISS
+    assert fake.actions.count(("save", f"{base_stem('aaaa', MODEL)}.saving.bin")) == 1
 
 
 # -- shutdown save -------------------------------------------------------------------
@@ -289,12 +289,12 @@ def test_after_clear_nothing_is_saved_as_default(tmp_path, fake, caplog):
 
 def test_forget_deletes_every_file_of_the_id_and_nothing_else(tmp_path, fake):
     switch = make_switch(tmp_path)
-    other_prompt = Session("A", "test", system_hash="cccc", key="A#cccc")
+    other_prompt = Session("A", "test", system_hash="cccc", key="A#cccc", model=MODEL)
     answer(switch, A, fake)
     answer(switch, other_prompt, fake)
     answer(switch, B, fake)
-    answer(switch, Session("C", "test"), fake)       # A's and B's files are all on disk
-    orphan = tmp_path / f"{Session('A', 'admin').stem}.bin"
+    answer(switch, Session("C", "test", model=MODEL), fake)       # A's and B's files are all on disk
+    orphan = tmp_path / f"{Session('A', 'admin', model=MODEL).stem}.bin"
     orphan.write_bytes(b"ggsq")                      # a file left without its sidecar
     assert switch.forget("A") is True
     assert not orphan.exists()

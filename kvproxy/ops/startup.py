@@ -15,7 +15,7 @@ import secrets
 import threading
 import time
 
-from kvproxy.storage import disk
+from kvproxy.storage import disk, model_names
 from kvproxy.errors import ContractError  # imported from here too
 from kvproxy.upstream.llama import LlamaClient, UpstreamError, UpstreamUnavailable
 from kvproxy.errors import StateFormatError, StorageError
@@ -36,7 +36,8 @@ def sweep_slot_folder(switch, wait: float = START_WAIT) -> list[str]:
             log.warning("start-up sweep of the slot folder skipped: a slot stayed busy")
             return []
         try:
-            done = disk.sweep(switch.store)
+            done = model_names.tag_old_files(switch.store)
+            done += disk.sweep(switch.store)
             if switch.store.migrate_state_file():
                 done.append(f"state file migrated to the per-slot table (its slot is "
                             f"{switch.store.legacy_slot})")

@@ -13,6 +13,7 @@ import hashlib
 import json
 import re
 import unicodedata
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
@@ -54,6 +55,7 @@ class Session:
     persistent: bool = True
     system_hash: str | None = None
     key: str = ""
+    model: str | None = None  # the model's tag (``model_tag``): a session is on one model
 
     def __post_init__(self):
         if not self.key:
@@ -61,7 +63,11 @@ class Session:
 
     @property
     def stem(self) -> str:
-        return file_stem(self.key)
+        return on_model(file_stem(self.key), self.model)
+
+    def on_model(self, model: str | None) -> "Session":
+        """This conversation on ``model``: its files carry the model's tag."""
+        return self if model == self.model else dataclasses.replace(self, model=model)
 
 
 def text_of(content: Any) -> str:
@@ -115,9 +121,29 @@ def file_stem(session_id: str) -> str:
     return f"{readable}-{short_hash(session_id)}"
 
 
-def base_stem(system_hash: str) -> str:
+def base_stem(system_hash: str, model: str | None = None) -> str:
     """File name of a system prompt's base snapshot; the dot keeps it apart from sessions."""
-    return f"base.{system_hash}"
+    return on_model(f"base.{system_hash}", model)
+
+
+# Between a file's stem and its model's tag: no session stem or tag contains it.
+MODEL_SEPARATOR = "@"
+
+
+def model_tag(model: str | None) -> str | None:
+    """A model's name or path as it appears in file names: the file name without folder
+    and ``.gguf``, in the characters ``file_stem`` uses. Two models sharing one slot folder
+    (one after the other, or behind llama-server's router) never write each other's files."""
+    if not model:
+        return None
+    name = re.split(r"[/\\]", str(model).rstrip("/\\"))[-1]
+    name = re.sub(r"\.gguf$", "", name, flags=re.IGNORECASE)
+    return re.sub(r"[^A-Za-z0-9_-]+", "_", name)[:64].strip("_-") or "model"
+
+
+def on_model(stem: str, model: str | None) -> str:
+    """``stem`` of the model tagged ``model`` (unchanged without one)."""
+    return f"{stem}{MODEL_SEPARATOR}{model}" if model else stem
 
 
 def normalise_id(text: str) -> str:

@@ -110,7 +110,7 @@ class SlotExecutor:
                    made_by: dict, restoring_off: bool, base_snapshots: bool,
                    has_prompt: bool) -> SwapFacts:
         own = self.file_facts(session.stem) if session.persistent else None
-        base = self.file_facts(base_stem(session.system_hash)) \
+        base = self.file_facts(base_stem(session.system_hash, session.model)) \
             if session.persistent and session.system_hash and base_snapshots else None
         facts = SwapFacts(slot, state, session, view, made_by, restoring_off, own, base,
                           None, base_snapshots, has_prompt)
@@ -153,7 +153,7 @@ class SlotExecutor:
                 filled = Filled(MISS, 0)
             elif isinstance(action, MakeBase):
                 filled = Filled(MISS, self.make_base(action.slot, action.system_hash, made_by,
-                                                     prompt))
+                                                     prompt, action.model))
             elif isinstance(action, Record):
                 filled = filled or Filled(MISS, 0)
                 self.record(action.slot, action.session, filled.tokens)
@@ -238,7 +238,7 @@ class SlotExecutor:
             metrics.observe_swap("save", time.monotonic() - started, size)
             return self.store.merged_sidecar(
                 stem, {}, session_id=session_id, kind=kind, system_hash=system_hash,
-                made_by={**made_by, plan.KV_FORMAT: written_as} if written_as else made_by,
+                model=plan.model_of(made_by), made_by={**made_by, plan.KV_FORMAT: written_as} if written_as else made_by,
                 n_tokens=answer.get("n_saved"), n_bytes=answer.get("n_written"),
                 saved_bytes=size, save_ms=round(save_ms, 2), saved_at=now_iso(),
                 saved_from_slot=slot, refused=None, refused_by=None)
@@ -306,7 +306,7 @@ class SlotExecutor:
         metrics.observe_swap("erase", time.monotonic() - started, 0)
 
     def make_base(self, slot: int, system_hash: str, made_by: dict,
-                  prompt: PromptView | None) -> int:
+                  prompt: PromptView | None, model: str | None = None) -> int:
         """Prefill the system prompt alone and save it as the base snapshot.
 
         Never the first user's message or answer: a later conversation could
@@ -328,8 +328,9 @@ class SlotExecutor:
         computed = int(timings.get("prompt_n") or 0)
         metrics.TOKENS.labels("computed").inc(computed)
         metrics.TOKENS.labels("reused").inc(int(timings.get("cache_n") or 0))
-        if self.save(f"base:{system_hash}", base_stem(system_hash), made_by, kind="base",
+        stem = base_stem(system_hash, model)
+        if self.save(f"base:{system_hash}", stem, made_by, kind="base",
                      system_hash=system_hash, slot=slot, tokens=len(tokens)):
             metrics.SWAPS.labels(BASE).inc()
-            self.store.update_sidecar(base_stem(system_hash), {}, prefill_computed=computed)
+            self.store.update_sidecar(stem, {}, prefill_computed=computed)
         return len(tokens)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
-from kvproxy.sessions.identity import Session, base_stem
+from kvproxy.sessions.identity import Session, base_stem, model_tag
 from kvproxy.slots.state import Phase, SlotState
 
 # What /slots shows about the slot, against what kvproxy's last action left in it.
@@ -140,9 +140,10 @@ class Erase:
 
 @dataclass(frozen=True)
 class MakeBase:
-    """Prefill the system prompt alone and save it as the base snapshot."""
+    """Prefill the system prompt alone and save it as the base snapshot (of ``model``)."""
     slot: int
     system_hash: str
+    model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -230,7 +231,7 @@ def plan_swap(facts: SwapFacts) -> list[Action]:
             actions.append(refused)
     actions.append(Erase(slot))
     if wants_base(facts):
-        actions.append(MakeBase(slot, facts.session.system_hash))
+        actions.append(MakeBase(slot, facts.session.system_hash, facts.session.model))
     actions.append(Record(slot, facts.session))
     return actions
 
@@ -302,6 +303,11 @@ def fingerprint(props: dict, models: dict, kv_format: str | None = None) -> dict
     }
 
 
+def model_of(made_by: dict) -> str | None:
+    """The tag of the model a fingerprint names (``identity.model_tag``): its files carry it."""
+    return model_tag(made_by.get("model_path"))
+
+
 def same_maker(saved: dict | None, running: dict) -> bool:
     """Whether the llama-server that made a file (``saved``, from its sidecar) is the one
     running. The KV format is compared only when both sides know it: files saved before
@@ -336,7 +342,7 @@ def incoming_stems(session: Session) -> set[str]:
     """Files a swap to ``session`` may restore: eviction must not delete them."""
     stems = {session.stem}
     if session.system_hash:
-        stems.add(base_stem(session.system_hash))
+        stems.add(base_stem(session.system_hash, session.model))
     return stems
 
 

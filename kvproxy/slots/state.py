@@ -60,7 +60,7 @@ class SlotState:
     persistent: bool = False        # worth a file: saved before the slot is reused
     system_hash: str | None = None  # its system prompt, for the base snapshot
     tokens: int = 0                 # tokens kvproxy left in the slot (checked against /slots)
-    model: str | None = None        # the model the slot belongs to (one model per server today)
+    model: str | None = None        # the tag of the model its session is on (``model_tag``)
     updated_at: str | None = None   # when the slot last changed hands
     used_at: str | None = None      # its last use: least recently used is evicted first
 
@@ -113,7 +113,7 @@ class SlotState:
 def claimed_for(state: SlotState, session: Session) -> SlotState:
     """``state`` being filled for ``session``: not trusted until the swap is done."""
     now = now_iso()
-    return state.to(Phase.CLAIMED, session_id=session.id, key=session.key, stem=session.stem,
+    return state.to(Phase.CLAIMED, session_id=session.id, key=session.key, stem=session.stem, model=session.model,
                     persistent=session.persistent, system_hash=session.system_hash, tokens=0,
                     updated_at=now, used_at=now)
 
@@ -121,7 +121,7 @@ def claimed_for(state: SlotState, session: Session) -> SlotState:
 def filled_with(state: SlotState, session: Session, tokens: int) -> SlotState:
     """The swap is done: the slot holds ``session`` with ``tokens``, as its file has it."""
     now = now_iso()
-    return state.to(Phase.OURS, session_id=session.id, key=session.key, stem=session.stem,
+    return state.to(Phase.OURS, session_id=session.id, key=session.key, stem=session.stem, model=session.model,
                     persistent=session.persistent, system_hash=session.system_hash,
                     tokens=tokens, updated_at=now, used_at=now)
 

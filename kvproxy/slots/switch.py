@@ -10,13 +10,14 @@ of the lease is pinned to its slot. Nothing here knows a client wire format.
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import time
 from typing import Callable, Iterator
 
 from kvproxy.ops import metrics
 from kvproxy.ops.activity import RecentActivity
-from kvproxy.sessions.identity import DEFAULT_SESSION, Session, file_stem
+from kvproxy.sessions.identity import DEFAULT_SESSION, MODEL_SEPARATOR, Session, file_stem
 from kvproxy.slots import plan, restore_probe
 from kvproxy.slots.lease import Lease
 from kvproxy.slots.executor import (MIN_BASE_TOKENS, HeldElsewhere, PromptView,  # noqa: F401
@@ -242,9 +243,11 @@ class SlotSwitch:
         if plan.is_hit(state, session.key, view):
             metrics.SWAPS.labels("none").inc()
             metrics.SLOT_SWAPS.labels(str(slot), "none").inc()
-            return Lease(session, HIT, slot=slot)  # a hit needs no restore check: no prompt
+            # a hit needs no restore check: no prompt
+            return Lease(session.on_model(state.model), HIT, slot=slot)
         started = time.monotonic()
         made_by = self.current_made_by()
+        session = session.on_model(plan.model_of(made_by))
         restoring_off = self.restore_check.restoring_off(fingerprint_key(made_by))
         if restoring_off and view == EMPTY and state.tokens > 0:
             # The slot lost what kvproxy left in it: llama-server restarted, maybe with the
@@ -319,7 +322,10 @@ class SlotSwitch:
         unknown, so what it holds is never saved or trusted again.
         """
         stems = {s["stem"] for s in self.store.sidecars() if s.get("session_id") == session_id}
-        stems.add(file_stem(session_id))  # a file left without its sidecar
+        # a file left without its sidecar, of any model
+        stems |= {path.name[:-len(".bin")] for path in self.store.root.glob(
+            f"{glob.escape(file_stem(session_id))}{MODEL_SEPARATOR}*.bin")}
+        stems.add(file_stem(session_id))
         holders = [slot for slot, state in self.table.read().items()
                    if state.session_id == session_id and slot in self.slot_ids()]
         taken = []

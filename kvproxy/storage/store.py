@@ -29,9 +29,11 @@ from typing import Any, Callable
 
 import filelock
 
+from kvproxy.sessions.identity import model_tag
+
 from kvproxy.errors import StateFormatError, StorageError, map_exceptions  # noqa: F401 - both also imported from here
 
-SIDECAR_FORMAT = 2
+SIDECAR_FORMAT = 3
 STATE_FORMAT = 3
 STATE_FILE = ".kvproxy-state.json"
 STATE_LOCK = ".kvproxy-state.lock"
@@ -51,7 +53,14 @@ def _v1_to_v2(sidecar: dict) -> dict:
     return sidecar
 
 
-MIGRATIONS = {1: _v1_to_v2}  # format n -> format n + 1
+def _v2_to_v3(sidecar: dict) -> dict:
+    """Format 3 names the model whose file it is (``model``: its tag, which the file's name
+    carries too; ``storage.model_names`` renames older files at start-up)."""
+    sidecar.setdefault("model", model_tag((sidecar.get("made_by") or {}).get("model_path")))
+    return sidecar
+
+
+MIGRATIONS = {1: _v1_to_v2, 2: _v2_to_v3}  # format n -> format n + 1
 
 
 def migrate_sidecar(data: dict | None) -> dict | None:
