@@ -54,6 +54,6 @@ def post_worker_init(worker):
 def worker_exit(server, worker):
     """Save the session every slot holds, so restarting both processes loses nothing."""
     app = getattr(worker, "wsgi", None)
-    switch = getattr(app, "extensions", {}).get("kvproxy.switch") if app else None
-    if switch is not None:
+    models = getattr(app, "extensions", {}).get("kvproxy.models") if app else None
+    for switch in (models.switches() if models is not None else []):
         switch.checkpoint()

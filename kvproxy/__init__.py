@@ -13,6 +13,7 @@ from kvproxy.upstream.llama import LlamaClient
 from kvproxy.web.relay import Relay
 from kvproxy.ops.startup import Contract
 from kvproxy.storage.store import SessionStore
+from kvproxy.slots.models import ModelSwitches
 from kvproxy.slots.switch import SlotSwitch
 
 __version__ = "0.1.0"
@@ -41,20 +42,24 @@ def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
     check_slot_dir(settings.slot_dir)
     client = LlamaClient(settings.upstream, settings.connect_timeout, settings.read_timeout,
                          settings.slot_action_timeout)
-    switch = SlotSwitch(client, SessionStore(settings.slot_dir), settings.slot_id,
-                        settings.lock_timeout, settings.base_snapshots,
-                        settings.restore_miss_limit, int(settings.max_disk_gb * 1024**3),
-                        int(settings.min_free_gb * 1024**3),
-                        max_waiters=settings.max_waiters,
-                        restore_off_minutes=settings.restore_off_minutes,
-                        slots=settings.slots)
+    def make_switch(client: LlamaClient, store: SessionStore) -> SlotSwitch:
+        return SlotSwitch(client, store, settings.slot_id,
+                          settings.lock_timeout, settings.base_snapshots,
+                          settings.restore_miss_limit, int(settings.max_disk_gb * 1024**3),
+                          int(settings.min_free_gb * 1024**3),
+                          max_waiters=settings.max_waiters,
+                          restore_off_minutes=settings.restore_off_minutes,
+                          slots=settings.slots)
+    switch = make_switch(client, SessionStore(settings.slot_dir))
+    models = ModelSwitches(client, switch, make_switch)
     app.extensions["kvproxy.switch"] = switch
+    app.extensions["kvproxy.models"] = models
     # Its own client: the probe must not count as the last slot call of the switch's client,
     # whose open connection vouches for what the slot holds.
     app.extensions["kvproxy.contract"] = Contract(
         LlamaClient(settings.upstream, settings.connect_timeout, settings.read_timeout,
                     settings.slot_action_timeout), switch)
-    app.extensions["kvproxy.relay"] = Relay(settings, client, switch)
+    app.extensions["kvproxy.relay"] = Relay(settings, client, switch, models)
     app.wsgi_app = FreeHeldSlots(app.wsgi_app)
 
     from kvproxy.ops import admin, metrics, health as ops

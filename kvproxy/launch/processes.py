@@ -124,7 +124,8 @@ class LlamaServer:
     def __init__(self, slot_dir: str, port: int | None = None, model: str | None = None,
                  ctx_size: int = 8192, cache_ram_mib: int | None = 16384,
                  extra_args: list[str] | None = None, log_path: str | None = None,
-                 slots: int = 1, swa_full: bool | None = None):
+                 slots: int = 1, swa_full: bool | None = None, models_dir: str | None = None,
+                 models_max: int | None = None):
         if slots < 1:
             raise ValueError("slots must be at least 1")
         self.slot_dir = slot_dir
@@ -136,6 +137,9 @@ class LlamaServer:
         self.extra_args = list(extra_args or [])
         self.log_path = log_path
         self.swa_full = wants_swa_full(self.model) if swa_full is None else swa_full
+        # A router of several models (``--models-dir``) instead of one model (``-m``).
+        self.models_dir = models_dir
+        self.models_max = models_max
         self.process: subprocess.Popen | None = None
 
     @property
@@ -143,7 +147,10 @@ class LlamaServer:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        cmd = [llama_server_binary(), "-m", self.model, "--host", "127.0.0.1",
+        served = ["--models-dir", self.models_dir] if self.models_dir else ["-m", self.model]
+        if self.models_dir and self.models_max:
+            served += ["--models-max", str(self.models_max)]
+        cmd = [llama_server_binary(), *served, "--host", "127.0.0.1",
                "--port", str(self.port), "-np", str(self.slots), "-c", str(self.ctx_size),
                "--slot-save-path", self.slot_dir, "--metrics"]
         if self.slots > 1:

@@ -27,7 +27,7 @@ from kvproxy.slots.plan import (BASE, EMPTY, FOREIGN, HIT, MISS, OURS, RESTORED,
                                 fingerprint, fingerprint_key, incoming_stems, judge_slot)
 from kvproxy.slots.pool import SlotPool
 from kvproxy.slots.restore_check import RestoreCheck, verify_restore
-from kvproxy.slots.state import SlotState, SlotTable, emptied
+from kvproxy.slots.state import Phase, SlotState, SlotTable, emptied
 from kvproxy.storage import disk
 from kvproxy.storage.store import SessionStore, StorageError, now_iso
 from kvproxy.upstream.llama import LlamaClient, UpstreamError, UpstreamUnavailable
@@ -290,22 +290,25 @@ class SlotSwitch:
                     self.pool.give_back(one)
         return slots
 
-    def checkpoint(self, timeout: float = 10) -> bool:
-        """Save the session of every slot now (at shutdown), so a later llama-server restart
-        loses nothing. True when at least one session was saved."""
+    def checkpoint(self, timeout: float = 10, unsaved_only: bool = False) -> bool:
+        """Save the session of every slot now (at shutdown, or before llama-server's router
+        loads another model), so a later restart or unload loses nothing; ``unsaved_only``:
+        only sessions with turns their file lacks. True when at least one was saved."""
         deadline = time.monotonic() + timeout
-        saved = [self._checkpoint_slot(slot, max(0.0, deadline - time.monotonic()))
+        saved = [self._checkpoint_slot(slot, max(0.0, deadline - time.monotonic()), unsaved_only)
                  for slot in self.slot_ids()]
         return any(saved)
 
-    def _checkpoint_slot(self, slot: int, timeout: float) -> bool:
+    def _checkpoint_slot(self, slot: int, timeout: float, unsaved_only: bool = False) -> bool:
         try:
             self.pool.lock(slot).acquire(timeout)
         except SlotUnavailable:
-            log.warning("slot %d stayed busy: its session was not saved at shutdown", slot)
+            log.warning("slot %d stayed busy: its session was not saved", slot)
             return False
         try:
             state = self.table.get(slot)
+            if unsaved_only and state.phase is not Phase.UNSAVED:
+                return False
             if not state.keeps_file or self.slot_view(state, slot) != OURS:
                 return False
             return self.save_held(slot, state, self.current_made_by()) is not None

@@ -180,13 +180,25 @@ TABLE_LOCK_FAILURES = {
 class SessionStore:
     """The slot folder: sidecars, slot files and the proxy's state file."""
 
-    def __init__(self, slot_dir: str | os.PathLike, legacy_slot: int = 0):
+    def __init__(self, slot_dir: str | os.PathLike, legacy_slot: int = 0,
+                 model: str | None = None):
         self.root = Path(slot_dir)
         self.root.mkdir(parents=True, exist_ok=True)
         # The slot a format-1 state file described, and the one read_state() means by default.
         self.legacy_slot = legacy_slot
+        # Behind llama-server's router each model has slots of its own: their table and locks
+        # carry the model's tag (``.kvproxy-state@<model>.json``); files always carry it.
+        self.model = model
+        self.state_file = self.root / self._scoped(STATE_FILE)
         self._table_thread_lock = threading.Lock()
-        self._table_file_lock = filelock.FileLock(str(self.root / STATE_LOCK), thread_local=False)
+        self._table_file_lock = filelock.FileLock(str(self.root / self._scoped(STATE_LOCK)),
+                                                  thread_local=False)
+
+    def _scoped(self, name: str) -> str:
+        if not self.model:
+            return name
+        stem, dot, suffix = name.rpartition(".")
+        return f"{stem}@{self.model}{dot}{suffix}"
 
     @property
     def lock_path(self) -> Path:
@@ -194,7 +206,7 @@ class SessionStore:
 
     def slot_lock_path(self, slot: int) -> Path:
         """The cross-process lock of one slot."""
-        return self.root / (LOCK_FILE if slot == 0 else f".kvproxy-slot{int(slot)}.lock")
+        return self.root / self._scoped(LOCK_FILE if slot == 0 else f".kvproxy-slot{int(slot)}.lock")
 
     def bin_path(self, stem: str) -> Path:
         return self.root / f"{stem}.bin"
@@ -256,7 +268,7 @@ class SessionStore:
     # -- proxy state: one entry per slot ----------------------------------
     def read_table(self) -> dict[int, dict]:
         """Every slot's entry, by slot id (older state files migrated on the fly)."""
-        table = migrate_state(read_json(self.root / STATE_FILE), self.legacy_slot)["slots"]
+        table = migrate_state(read_json(self.state_file), self.legacy_slot)["slots"]
         found = {}
         for key, entry in table.items():
             try:
@@ -281,14 +293,14 @@ class SessionStore:
                 self._table_file_lock.acquire(timeout=30):
             table = self.read_table()
             result = change(table)
-            _write_or_storage_error(self.root / STATE_FILE, {
+            _write_or_storage_error(self.state_file, {
                 "format": STATE_FORMAT,
                 "slots": {str(k): v for k, v in sorted(table.items())}})
             return result
 
     def migrate_state_file(self) -> bool:
         """Write an older state file in the current format (at start); True when it changed."""
-        raw = read_json(self.root / STATE_FILE)
+        raw = read_json(self.state_file)
         if not raw or raw.get("format") == STATE_FORMAT:
             return False
         self.change_table(lambda table: None)

@@ -71,9 +71,18 @@ def context_length(props: dict, meta: dict) -> int:
     return min(values) if values else 0
 
 
-def describe() -> dict:
-    """The served model in the terms every Ollama model route uses."""
-    facts = relay().model_facts()
+def describe(requested: object = None) -> dict:
+    """The served model (behind a router: the one ``requested`` names) in the terms every
+    Ollama model route uses."""
+    return describe_facts(relay().model_facts(requested))
+
+
+def describe_all() -> list[dict]:
+    """Every model llama-server serves, described."""
+    return [describe_facts(facts) for facts in relay().all_model_facts()]
+
+
+def describe_facts(facts: dict) -> dict:
     props, meta = facts["props"], facts["model"].get("meta") or {}
     path = props.get("model_path") or ""
     header, file_size, mtime = gguf.file_facts(path)
@@ -101,4 +110,5 @@ def describe() -> dict:
             "capabilities": capabilities(props), "context_length": ctx, "path": path,
             "template": props.get("chat_template") or "",
             "license": header.get("general.license", ""),
-            "upstream_id": facts["upstream_id"], "sleeping": bool(props.get("is_sleeping"))}
+            "upstream_id": facts["upstream_id"], "sleeping": bool(props.get("is_sleeping")),
+            "loaded": (facts["model"].get("status") or {}).get("value") in (None, "loaded")}

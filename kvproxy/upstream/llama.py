@@ -42,11 +42,17 @@ def upstream_error(status: int, message: str) -> "UpstreamError":
 
 
 class LlamaClient:
-    """One llama-server, reached over HTTP with bounded waits."""
+    """One llama-server, reached over HTTP with bounded waits.
+
+    ``model``: one model behind llama-server's router (``--models-dir``), for which every
+    model and slot call names it (``for_model``); slot listings and model facts never make
+    the router load it (``autoload=false``).
+    """
 
     def __init__(self, base_url: str, connect_timeout: float = 5, read_timeout: float = 600,
-                 slot_action_timeout: float = 300):
+                 slot_action_timeout: float = 300, model: str | None = None):
         self.base_url = base_url.rstrip("/")
+        self.model = model
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.slot_action_timeout = slot_action_timeout
@@ -120,46 +126,65 @@ class LlamaClient:
         slot keeps the witness of the moment its content was recorded."""
         return self._witness
 
-    @staticmethod
-    def still_open(witness: tuple[Any, Any] | None) -> bool:
+    def still_open(self, witness: tuple[Any, Any] | None) -> bool:
         """Whether a connection that existed then is still open: llama-server has not
-        restarted since."""
-        if witness is None:
+        restarted since. Behind the router it proves nothing: the router stays up while it
+        unloads and loads the model's own llama-server."""
+        if witness is None or self.model:
             return False
         connection, sock = witness
         return connection.sock is sock and bool(getattr(connection, "is_connected", False))
 
     # -- model facts -------------------------------------------------------
+    def for_model(self, model: str) -> "LlamaClient":
+        """A client of the same server for one model behind its router."""
+        return LlamaClient(self.base_url, self.connect_timeout, self.read_timeout,
+                           self.slot_action_timeout, model=model)
+
+    def _named(self, body: dict) -> dict:
+        return {**body, "model": self.model} if self.model else body
+
+    def _query(self, autoload: bool = True) -> dict:
+        if not self.model:
+            return {}
+        return {"model": self.model} if autoload else {"model": self.model, "autoload": "false"}
+
     def health(self) -> dict:
         return self._json("GET", "/health", read_timeout=self.connect_timeout)
 
-    def props(self) -> dict:
-        return self._json("GET", "/props", read_timeout=30)
+    def props(self, autoload: bool = True) -> dict:
+        """``/props`` (of ``model``: ``autoload=False`` answers 400 while it is not loaded)."""
+        return self._json("GET", "/props", read_timeout=30, params=self._query(autoload))
 
     def models(self) -> dict:
-        return self._json("GET", "/v1/models", read_timeout=30)
+        """``/v1/models``; for ``model``, only its entry."""
+        listing = self._json("GET", "/v1/models", read_timeout=30)
+        if self.model and isinstance(listing, dict):
+            listing = {**listing, "data": [e for e in listing.get("data") or []
+                                           if isinstance(e, dict) and e.get("id") == self.model]}
+        return listing
 
     def slots(self) -> list[dict]:
-        return self._json("GET", "/slots", read_timeout=30)
+        return self._json("GET", "/slots", read_timeout=30, params=self._query(autoload=False))
 
     def tokenize(self, content: str, add_special: bool = False) -> list[int]:
-        return self._json("POST", "/tokenize",
-                          json={"content": content, "add_special": add_special})["tokens"]
+        return self._json("POST", "/tokenize", json=self._named(
+            {"content": content, "add_special": add_special}))["tokens"]
 
     def apply_template(self, body: dict) -> str:
-        return self._json("POST", "/apply-template", json=body)["prompt"]
+        return self._json("POST", "/apply-template", json=self._named(body))["prompt"]
 
     def prefill(self, tokens: list[int], slot_id: int) -> dict:
         """Compute ``tokens`` into the slot without generating (a base snapshot's system prompt)."""
-        return self._json("POST", "/completion", json={
+        return self._json("POST", "/completion", json=self._named({
             "prompt": tokens, "n_predict": 0, "cache_prompt": True, "id_slot": slot_id,
-            "stream": False}, slot_call=True)
+            "stream": False}), slot_call=True)
 
     # -- slot actions ------------------------------------------------------
     def slot_action(self, slot_id: int, action: str, filename: str | None = None) -> dict:
         """save, restore or erase; returns llama-server's answer (with timings)."""
         body = {"filename": filename} if filename else {}
-        return self._json("POST", f"/slots/{slot_id}?action={action}", json=body,
+        return self._json("POST", f"/slots/{slot_id}?action={action}", json=self._named(body),
                           read_timeout=self.slot_action_timeout, slot_call=True)
 
     # -- generation --------------------------------------------------------

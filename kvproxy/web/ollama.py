@@ -19,7 +19,7 @@ from kvproxy.web.relay import ChatCall
 from kvproxy.translate import ollama as tr
 from kvproxy import routes
 from kvproxy.web.common import json_body, relay, serve_chat
-from kvproxy.translate.ollama_model import describe
+from kvproxy.translate.ollama_model import describe, describe_all
 
 blueprint = Blueprint("ollama", __name__)
 
@@ -84,12 +84,13 @@ def _listed(model: dict) -> dict:
 
 
 def tags() -> Response:
-    return jsonify({"models": [_listed(describe())]})
+    return jsonify({"models": [_listed(model) for model in describe_all()]})
 
 
 def show() -> Response:
-    model = describe()
-    requested_model(json_body(), model)
+    body = json_body()
+    model = describe(body.get("model") or body.get("name"))
+    requested_model(body, model)
     return jsonify({
         "license": model["license"], "template": model["template"],
         "modelfile": f"# served by llama-server through kvproxy\nFROM {model['path']}\n",
@@ -100,12 +101,10 @@ def show() -> Response:
 
 def ps() -> Response:
     """The model is loaded while llama-server runs; VRAM use is not reported by llama-server."""
-    model = describe()
-    if model["sleeping"]:
-        return jsonify({"models": []})
-    entry = _listed(model) | {"expires_at": NEVER_EXPIRES, "size_vram": 0,
-                              "context_length": model["context_length"]}
-    return jsonify({"models": [entry]})
+    return jsonify({"models": [
+        _listed(model) | {"expires_at": NEVER_EXPIRES, "size_vram": 0,
+                          "context_length": model["context_length"]}
+        for model in describe_all() if model["loaded"] and not model["sleeping"]]})
 
 
 # -- generation -------------------------------------------------------------
@@ -127,7 +126,7 @@ def generation(kind: str) -> Response:
     """/api/chat and /api/generate. An empty request only "loads" the model: slot untouched."""
     started = time.monotonic_ns()
     body = json_body()
-    model = describe()
+    model = describe(body.get("model"))
     name, stream = requested_model(body, model), _stream_flag(body)
     empty = not body.get("messages") if kind == "chat" else \
         not (body.get("prompt") or body.get("images"))
@@ -136,7 +135,8 @@ def generation(kind: str) -> Response:
     vision = "vision" in model["capabilities"]
     path, upstream = ("/v1/chat/completions", tr.chat_body(body, vision)) if kind == "chat" \
         else tr.generate_call(body, vision)
-    call = ChatCall(body=upstream, headers=request.headers, raw=body, path=path)
+    call = ChatCall(body=upstream, headers=request.headers, raw=body, path=path,
+                    model=model["upstream_id"])
     return _serve(call, kind, name, stream, started, body.get("think") is not False)
 
 
@@ -167,7 +167,7 @@ def embed(field: str) -> Response:
     """/api/embed (one or many inputs) and the older /api/embeddings (one prompt)."""
     started = time.monotonic_ns()
     body = json_body()
-    model = describe()
+    model = describe(body.get("model"))
     name = requested_model(body, model)
     inputs = body.get(field) or []
     inputs = [inputs] if isinstance(inputs, str) else inputs

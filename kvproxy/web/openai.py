@@ -70,19 +70,30 @@ def completions() -> Response:
 
 
 def models() -> Response:
-    """The served model, with the fields both OpenAI and Anthropic clients read."""
+    """The served model (behind a router: every model), with the fields both OpenAI and
+    Anthropic clients read."""
+    if relay().models.is_router():
+        entries = [_entry(facts) for facts in relay().all_model_facts()]
+        return jsonify({"object": "list", "data": entries, "has_more": False,
+                        "first_id": entries[0]["id"] if entries else None,
+                        "last_id": entries[-1]["id"] if entries else None})
     facts = relay().model_facts()
+    entry = _entry(facts)
+    listing = facts.get("listing") if isinstance(facts.get("listing"), dict) else {}
+    named = [{**item, "name": facts["name"], "model": facts["name"]}
+             for item in listing.get("models") or [] if isinstance(item, dict)]
+    return jsonify({**({"models": named} if named else {}), "object": "list", "data": [entry],
+                    "has_more": False, "first_id": entry["id"], "last_id": entry["id"]})
+
+
+def _entry(facts: dict) -> dict:
     created = int(facts["model"].get("created") or time.time())
     # llama-server's own fields first (Maki reads meta), then the served name
     entry = {**facts["model"], "id": facts["name"], "object": "model", "created": created,
              "owned_by": facts["model"].get("owned_by") or "llamacpp", "type": "model",
              "display_name": facts["name"],
              "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))}
-    listing = facts.get("listing") if isinstance(facts.get("listing"), dict) else {}
-    named = [{**item, "name": facts["name"], "model": facts["name"]}
-             for item in listing.get("models") or [] if isinstance(item, dict)]
-    return jsonify({**({"models": named} if named else {}), "object": "list", "data": [entry],
-                    "has_more": False, "first_id": entry["id"], "last_id": entry["id"]})
+    return entry
 
 
 routes.add_rules(blueprint, globals())

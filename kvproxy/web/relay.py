@@ -16,8 +16,9 @@ from typing import Any, Callable, Iterator, Mapping
 from kvproxy.errors import ShuttingDown  # imported from here too
 from kvproxy.sessions import identity
 from kvproxy.config import Settings
-from kvproxy.upstream.llama import LlamaClient, sse_events
+from kvproxy.upstream.llama import LlamaClient, UpstreamError, UpstreamUnavailable, sse_events
 from kvproxy.slots.lease import Lease
+from kvproxy.slots.models import ModelSwitches, is_loaded, pick_model
 from kvproxy.slots.switch import SlotSwitch
 from kvproxy.slots.unpinned import protect_other_slots
 
@@ -47,6 +48,7 @@ class ChatCall:
     path: str = "/v1/chat/completions"
     side: bool = False  # force a side request (never saved), e.g. embeddings
     session: identity.Session | None = None  # a route that names its session itself (infill)
+    model: str | None = None  # the model asked for, where the body does not name it (Ollama)
     # False once the client has gone (checked after waiting for the slot, before a swap).
     still_wanted: Callable[[], bool] | None = None
 
@@ -190,10 +192,12 @@ def pinned(body: Any, slot: int) -> Any:
 class Relay:
     """The path from a dialect to llama-server."""
 
-    def __init__(self, settings: Settings, client: LlamaClient, switch: SlotSwitch):
+    def __init__(self, settings: Settings, client: LlamaClient, switch: SlotSwitch,
+                 models: ModelSwitches | None = None):
         self.settings = settings
         self.client = client
         self.switch = switch
+        self.models = models or ModelSwitches(client, switch, None)
         self._facts: tuple[float, dict] | None = None
         self._facts_lock = threading.Lock()
 
@@ -209,13 +213,17 @@ class Relay:
             side_pattern=self.settings.side_request_pattern)
 
     @staticmethod
-    def _upstream_body(call: ChatCall, stream: bool, lease: Lease) -> dict:
-        """The body as sent: pinned to the leased slot, so llama-server never picks another."""
-        return {**call.body, "stream": stream, "cache_prompt": True, "id_slot": lease.slot}
+    def _upstream_body(call: ChatCall, stream: bool, lease: Lease, client: LlamaClient) -> dict:
+        """The body as sent: pinned to the leased slot, so llama-server never picks another;
+        behind a router, naming the model by the router's id."""
+        body = {**call.body, "stream": stream, "cache_prompt": True, "id_slot": lease.slot}
+        return {**body, "model": client.model} if client.model else body
 
-    def _acquire(self, call: ChatCall, stream: bool) -> Lease:
-        return self.switch.acquire(self.session_for(call, stream=stream),
-                                   still_wanted=call.still_wanted, prompt=Prompt(self.client, call))
+    def _acquire(self, call: ChatCall, stream: bool) -> tuple[SlotSwitch, LlamaClient, Lease]:
+        switch, client = self.models.route(call.model or call.body.get("model"))
+        lease = switch.acquire(self.session_for(call, stream=stream),
+                               still_wanted=call.still_wanted, prompt=Prompt(client, call))
+        return switch, client, lease
 
     def stream(self, call: ChatCall) -> Exchange:
         """Take the slot and open a streaming request; the caller must close the exchange.
@@ -223,46 +231,53 @@ class Relay:
         Everything between taking the slot and handing back the exchange
         (opening the request, building the reply headers) frees the slot if it fails.
         """
-        lease = self._acquire(call, True)
+        switch, client, lease = self._acquire(call, True)
         response = None
         try:
-            response = self.client.post_stream(call.path, self._upstream_body(call, True, lease))
-            return Exchange(self.switch, lease, response)
+            response = client.post_stream(call.path, self._upstream_body(call, True, lease, client))
+            return Exchange(switch, lease, response)
         except BaseException:
             try:
                 if response is not None:
                     response.close()
             finally:
-                self.switch.release(lease)
+                switch.release(lease)
             raise
 
     def complete(self, call: ChatCall) -> Answer:
         """Take the slot for one non-streaming request; the caller must close the answer."""
-        lease = self._acquire(call, False)
+        switch, client, lease = self._acquire(call, False)
         try:
-            result = self.client.post_json(call.path, self._upstream_body(call, False, lease))
-            return Answer(self.switch, lease, result)
+            result = client.post_json(call.path, self._upstream_body(call, False, lease, client))
+            return Answer(switch, lease, result)
         except BaseException:
-            self.switch.release(lease)
+            switch.release(lease)
             raise
 
     def side_call(self, path: str, body: dict) -> dict:
         """A request that uses the slot but belongs to no conversation (embeddings).
         llama-server ignores its ``id_slot``: the other slots are protected (``unpinned``)."""
-        lease = self.switch.acquire(identity.Session(identity.SIDE_SESSION, "side-request",
-                                                     persistent=False))
+        switch, client = self.models.route(body.get("model"))
+        lease = switch.acquire(identity.Session(identity.SIDE_SESSION, "side-request",
+                                                persistent=False))
         try:
-            with protect_other_slots(self.switch, lease):
-                return self.client.post_json(path, pinned(body, lease.slot))
+            with protect_other_slots(switch, lease):
+                return client.post_json(path, pinned(client._named(body), lease.slot))
         finally:
-            self.switch.release(lease)
+            switch.release(lease)
 
-    def model_facts(self) -> dict:
-        """llama-server's /props and /v1/models, cached briefly, plus the served name."""
+    def model_facts(self, requested: object = None) -> dict:
+        """llama-server's /props and /v1/models, cached briefly, plus the served name; behind
+        a router, of the model ``requested`` names (else its first)."""
+        if self.models.is_router():
+            entries = self.models.entries()
+            model = pick_model(requested, entries) or (entries[0]["id"] if entries else None)
+            return self._router_facts(next(e for e in entries if e["id"] == model)) \
+                if model else self._router_facts({"id": "none"})
         with self._facts_lock:
             if self._facts and time.monotonic() - self._facts[0] < MODEL_FACTS_TTL:
                 return self._facts[1]
-            props = self.client.props()
+            props = self.models.props(MODEL_FACTS_TTL)
             models = self.client.models()
             entry = (models.get("data") or [{}])[0]
             upstream_id = entry.get("id") or props.get("model_alias") or "model"
@@ -272,7 +287,29 @@ class Relay:
             self._facts = (time.monotonic(), facts)
             return facts
 
+    def all_model_facts(self) -> list[dict]:
+        """``model_facts`` of every model llama-server serves (one, unless it is a router)."""
+        if not self.models.is_router():
+            return [self.model_facts()]
+        return [self._router_facts(entry) for entry in self.models.entries()]
+
+    def _router_facts(self, entry: dict) -> dict:
+        """One model behind the router, without loading it: its facts from the listing (the
+        model file is the ``--model`` of its status), its /props only while it is loaded."""
+        model = entry["id"]
+        args = (entry.get("status") or {}).get("args") or []
+        path = next((args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--model", "-m")), "")
+        try:
+            props = self.client.for_model(model).props(autoload=False) if is_loaded(entry) else {}
+        except (UpstreamError, UpstreamUnavailable):
+            props = {}
+        props = {**props, "model_path": props.get("model_path") or path}
+        return {"props": props, "model": entry, "upstream_id": model,
+                "name": model,
+                "listing": {"object": "list", "data": [entry]}}
+
     def count_tokens(self, body: dict) -> int:
         """Tokens of the templated prompt, counted by llama-server's own tokenizer."""
-        prompt = self.client.apply_template(body)
-        return len(self.client.tokenize(prompt))
+        _, client = self.models.route(body.get("model"))
+        prompt = client.apply_template(body)
+        return len(client.tokenize(prompt))

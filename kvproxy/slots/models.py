@@ -1,0 +1,150 @@
+"""The slot switch of each model llama-server serves.
+
+A llama-server started with one model (``-m``) has one switch: the app's. Started
+as a router (``--models-dir`` / ``--models-preset``; its ``/props`` says ``role:
+router``), it runs each model in a llama-server of its own, with slots of its
+own, and loads and unloads them on demand. Then each model gets its own switch:
+a client whose every call names the model, and a state table and slot locks in
+the shared slot folder that carry the model's tag (files carry it anyway).
+
+Loading a model may unload another (``--models-max``), and an unload loses what
+its slots hold. So before a request makes the router load a model, the turns the
+other models' slots hold and their files lack are saved; when an unloaded model
+comes back its slots are empty, and its conversations are restored from their files.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from kvproxy.errors import ClientError
+from kvproxy.sessions.identity import model_tag
+from kvproxy.slots.switch import SlotSwitch
+from kvproxy.storage.store import SessionStore
+from kvproxy.upstream.llama import LlamaClient, UpstreamError, UpstreamUnavailable
+
+log = logging.getLogger("kvproxy.switch")
+
+LISTING_TTL = 2.0      # seconds the router's model listing is reused
+PROPS_TTL = 10.0       # seconds the server's /props is reused
+SAVE_BEFORE_LOAD_S = 30  # at most this long for another model's slot to be free to save
+
+
+def model_names(entry: dict) -> set[str]:
+    """The names a request may use for a router entry: its id and aliases, any case, with or
+    without ``.gguf`` or an Ollama-style ``:tag``."""
+    names = {entry.get("id")} | set(entry.get("aliases") or [])
+    return {n.lower() for n in names if isinstance(n, str) and n}
+
+
+def pick_model(requested: object, entries: list[dict]) -> str | None:
+    """The router's id of the model a request names, or None."""
+    if not isinstance(requested, str) or not requested.strip():
+        return None
+    wanted = requested.strip().lower()
+    candidates = [wanted, wanted.removesuffix(".gguf")]
+    if ":" in wanted:
+        candidates.append(wanted.rsplit(":", 1)[0])
+    for name in candidates:
+        for entry in entries:
+            if name in model_names(entry):
+                return entry["id"]
+    return None
+
+
+def is_loaded(entry: dict | None) -> bool:
+    status = (entry or {}).get("status")
+    return isinstance(status, dict) and status.get("value") == "loaded"
+
+
+class ModelSwitches:
+    """Which switch and client serve a request's model."""
+
+    def __init__(self, client: LlamaClient, switch: SlotSwitch,
+                 make_switch: Callable[[LlamaClient, SessionStore], SlotSwitch]):
+        self.client = client              # the server's (the router's in router mode)
+        self.default = switch             # the one switch of a one-model server
+        self._make_switch = make_switch
+        self._switches: dict[str, SlotSwitch] = {}
+        self._router: bool | None = None
+        self._props: tuple[float, dict] = (float("-inf"), {})
+        self._listing: tuple[float, list[dict]] = (float("-inf"), [])
+        self._lock = threading.Lock()
+
+    # -- the server's mode and models ------------------------------------------------
+    def is_router(self) -> bool:
+        """Whether llama-server is a router of several models (asked once it answers)."""
+        if self._router is None:
+            try:
+                props = self.props()
+            except (UpstreamError, UpstreamUnavailable):
+                return False
+            self._router = props.get("role") == "router"
+            if self._router:
+                log.info("llama-server is a router of several models: a switch per model")
+        return self._router
+
+    def props(self, max_age: float = PROPS_TTL) -> dict:
+        """The server's ``/props``, reused for ``max_age`` seconds."""
+        at, props = self._props
+        if time.monotonic() - at >= max_age:
+            props = self.client.props()
+            self._props = (time.monotonic(), props)
+        return props
+
+    def entries(self, fresh: bool = False) -> list[dict]:
+        """The router's models (``/v1/models``), each with its status; cached briefly."""
+        at, entries = self._listing
+        if fresh or time.monotonic() - at >= LISTING_TTL:
+            listing = self.client.models()
+            entries = [e for e in listing.get("data") or []
+                       if isinstance(e, dict) and isinstance(e.get("id"), str)]
+            self._listing = (time.monotonic(), entries)
+        return entries
+
+    def resolve(self, requested: object) -> str:
+        """The router's id for the model a request names; a 404 names the models there are."""
+        model = pick_model(requested, self.entries())
+        if model is None:
+            names = ", ".join(e["id"] for e in self.entries())
+            raise ClientError(f"model '{requested}' not found; llama-server serves: {names}", 404)
+        return model
+
+    def switches(self) -> list[SlotSwitch]:
+        """Every switch in use: the default one, then one per model that was asked for."""
+        with self._lock:
+            return [self.default, *self._switches.values()]
+
+    # -- a request's route -------------------------------------------------------------
+    def route(self, requested: object) -> tuple[SlotSwitch, LlamaClient]:
+        """The switch and client for a request naming ``requested``. Behind a router, the
+        other models' unsaved turns are saved first when this model is not loaded."""
+        if not self.is_router():
+            return self.default, self.client
+        model = self.resolve(requested)
+        switch = self.switch_for(model)
+        entry = next((e for e in self.entries(fresh=True) if e["id"] == model), None)
+        if not is_loaded(entry):
+            self.save_others(model)
+        return switch, switch.client
+
+    def switch_for(self, model: str) -> SlotSwitch:
+        with self._lock:
+            switch = self._switches.get(model)
+            if switch is None:
+                client = self.client.for_model(model)
+                store = SessionStore(self.default.store.root, model=model_tag(model))
+                switch = self._switches[model] = self._make_switch(client, store)
+            return switch
+
+    def save_others(self, model: str) -> None:
+        """Save what the other models' slots hold and their files lack: loading ``model`` may
+        unload them."""
+        for other, switch in list(self._switches.items()):
+            if other == model:
+                continue
+            saved = switch.checkpoint(SAVE_BEFORE_LOAD_S, unsaved_only=True)
+            if saved:
+                log.info("saved the unsaved turns of model %s before loading %s", other, model)
