@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from typing import Callable
@@ -21,12 +22,15 @@ from pathlib import Path
 from kvproxy.ops import metrics
 from kvproxy.upstream.llama import LlamaClient, UpstreamError
 from kvproxy.storage.store import (PROBE_PREFIX, QUARANTINE_DIR, SIDECAR_FORMAT, TEMP_SUFFIX, SessionStore,
-                    StorageError, now_iso, read_json, write_json_atomic, write_json_beside)
+                    StorageError, migrate_sidecar, now_iso, read_json, write_json_atomic,
+                    write_json_beside)
 
 log = logging.getLogger("kvproxy.disk")
 
 GB = 1024**3
 MB = 1024**2
+# A temporary sidecar as ``write_json_beside`` names it: .<stem>.json.<random>.tmp
+TEMP_SIDECAR = re.compile(r"^\.(?P<stem>.+)\.json\.[^.]+\.tmp$")
 
 
 # -- one save ----------------------------------------------------------------
@@ -84,7 +88,9 @@ def checked_size(store: SessionStore, stem: str, answer: dict) -> int:
 
 def install(store: SessionStore, stem: str, sidecar: dict) -> None:
     """Rename the checked save over ``<stem>.bin`` and its new sidecar over the old one.
-    Everything that needs disk space happens before the first rename."""
+    Everything that needs disk space happens before the first rename. A process killed
+    at any step leaves what ``sweep`` finishes (the new sidecar is written, matching its
+    file) or rolls back (the old pair is still in place)."""
     tmp = temp_path(store, stem)
     try:
         tmp_sidecar = write_json_beside(store.sidecar_path(stem), sidecar)
@@ -101,9 +107,12 @@ def install(store: SessionStore, stem: str, sidecar: dict) -> None:
                            f"{exc.strerror or exc}") from exc
     try:
         os.replace(tmp_sidecar, store.sidecar_path(stem))
-    except OSError as exc:  # the new file stays; its size check will set it aside
+    except OSError as exc:  # the new file does not match the old sidecar: both go
         discard(tmp_sidecar)
-        raise StorageError(f"cannot rename the sidecar of {stem}.bin: {exc.strerror or exc}") from exc
+        discard(store.bin_path(stem))
+        discard(store.sidecar_path(stem))
+        raise StorageError(f"cannot rename the sidecar of {stem}.bin: {exc.strerror or exc}; "
+                           f"the file and its sidecar are removed") from exc
 
 
 def size_problem(store: SessionStore, stem: str, sidecar: dict) -> str | None:
@@ -148,15 +157,68 @@ def is_leftover(name: str) -> bool:
             or (name.startswith(".") and name.endswith(".tmp")))
 
 
+def temp_sidecars(store: SessionStore) -> dict[str, list[Path]]:
+    """The temporary sidecars in the folder (``write_json_beside``), by the stem they are for."""
+    found: dict[str, list[Path]] = {}
+    for path in store.root.iterdir():
+        match = TEMP_SIDECAR.match(path.name)
+        if match and path.is_file():
+            found.setdefault(match["stem"], []).append(path)
+    return found
+
+
+def file_size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size if path.is_file() else None
+    except OSError:
+        return None
+
+
+def finish_save(store: SessionStore, stem: str, candidates: list[Path]) -> str | None:
+    """Roll an interrupted save of ``stem`` forward: when one of its temporary sidecars
+    (newest first) describes a complete save, the checked ``<stem>.saving.bin`` or the
+    ``<stem>.bin`` already renamed in, put that file and that sidecar in place. Returns the
+    log line, or None: the sweep then deletes the leftovers, and the old pair stays."""
+    def newest_first(path: Path) -> float:
+        try:
+            return -path.stat().st_mtime
+        except OSError:
+            return 0.0
+    for candidate in sorted(candidates, key=newest_first):
+        sidecar = migrate_sidecar(read_json(candidate))
+        if not sidecar or sidecar.get("stem") != stem or not sidecar.get("saved_at"):
+            continue
+        size = sidecar.get("saved_bytes")
+        if not isinstance(size, int) or size <= 0:
+            continue
+        saving = temp_path(store, stem)
+        if file_size(saving) == size:       # killed between the sidecar write and the renames
+            os.replace(saving, store.bin_path(stem))
+            os.replace(candidate, store.sidecar_path(stem))
+            return (f"finished the interrupted save of {stem}.bin: its checked file "
+                    f"{saving.name} and its sidecar ({size} bytes) put in place")
+        if file_size(store.bin_path(stem)) == size:   # killed between the two renames
+            os.replace(candidate, store.sidecar_path(stem))
+            return (f"finished the interrupted save of {stem}.bin: its new sidecar "
+                    f"({size} bytes) put in place")
+    return None
+
+
 def sweep(store: SessionStore) -> list[str]:
     """Clean what a crash or a foreign writer left in the slot folder; one line per action.
 
-    Run with the slot locked. Leftover temporary files are deleted; a ``.bin``
-    without a sidecar saying what made it, or whose size does not match, goes to
+    Run with the slot locked. An interrupted save whose temporary sidecar matches
+    its file is finished (``finish_save``); other leftover temporary files are
+    deleted, which rolls the save back to the old pair; a ``.bin`` without a
+    sidecar saying what made it, or whose size does not match, goes to
     quarantine; a sidecar whose slot file is gone is deleted (a sidecar that
     never had a file only counts a session's requests, and stays).
     """
     done = []
+    for stem, candidates in sorted(temp_sidecars(store).items()):
+        line = finish_save(store, stem, candidates)
+        if line:
+            done.append(line)
     for path in sorted(store.root.iterdir()):
         if path.is_file() and is_leftover(path.name):
             discard(path)
