@@ -153,9 +153,10 @@ SETTINGS: tuple[Setting, ...] = (
             "Upper bound on the slot folder's size; before a save the least recently used slot files "
             "are deleted to keep it (0: no bound)."),
     Setting("min_free_gb", "1", _gigabytes,
-            "Free space kept on the slot folder's filesystem: before a save, least recently used "
-            "slot files are deleted to keep it; when even that cannot, the swap is refused with 503 "
-            "and nothing is written (0: only refuse a save that does not fit at all)."),
+            "Free space kept on the slot folder's filesystem, at most a tenth of its size: before a "
+            "save, least recently used slot files are deleted to keep it; when even that cannot, the "
+            "save is dropped (the session's newest turns are not kept on disk, its older file stays) "
+            "and the swap goes ahead (0: only drop a save that does not fit at all)."),
     Setting("max_body_mb", "64", _number(0, 1e6, above_low=True),
             "Largest request body in MiB (long prompts and base64 images fit); a larger one is "
             "answered 413 in the client's API format before it is read."),

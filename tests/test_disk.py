@@ -14,7 +14,7 @@ from kvproxy.storage.disk import Entry, plan_eviction
 from kvproxy.sessions.identity import Session, base_stem
 from kvproxy.upstream.llama import LlamaClient
 from kvproxy.storage.store import SIDECAR_FORMAT, SessionStore, StorageError
-from kvproxy.slots.switch import BASE, MISS, RESTORED, SlotSwitch
+from kvproxy.slots.switch import BASE, HIT, MISS, RESTORED, SlotSwitch
 from tests.fake_llama import UPSTREAM, FakeLlama, FakePrompt, make_switch, MODEL
 from tests.test_switch_records import metric
 
@@ -32,57 +32,97 @@ def turn(switch, session, fake, tokens=12, prompt=None):
     return lease
 
 
+def shutil_usage(total, free):
+    import shutil
+    return shutil._ntuple_diskusage(total, total - free, free)
+
+
 def state_names(tmp_path):
     return SessionStore(tmp_path).read_state().get("active")
 
 
 # -- a save never replaces a good file with a bad one -------------------------
 @pytest.mark.parametrize("fault", ["short", "fail"])
-def test_a_failed_save_keeps_the_old_file_and_the_state(tmp_path, fake, fault):
+def test_a_failed_save_keeps_the_old_file_and_the_swap_goes_ahead(tmp_path, fake, fault):
+    """The session leaving the slot loses only its newest turns: its old file still matches
+    its sidecar and restores; the swap is not refused."""
     switch = make_switch(tmp_path)
     turn(switch, A, fake)
     turn(switch, B, fake)
     turn(switch, A, fake, tokens=40)          # A's file holds 12 tokens; the slot now 40
     good = (tmp_path / f"{A.stem}.bin").read_bytes()
+    dropped = metric("kvproxy_saves_dropped_total", kind="session")
     fake.save_fault = fault
-    with pytest.raises(StorageError):
-        switch.acquire(B)
+    lease = turn(switch, B, fake)
+    assert (lease.cache, lease.restored_tokens) == (RESTORED, 12)
     assert (tmp_path / f"{A.stem}.bin").read_bytes() == good
+    assert disk.size_problem(switch.store, A.stem, switch.store.read_sidecar(A.stem)) is None
     assert not list(tmp_path.glob("*.saving.bin")), "the temporary file is removed"
-    assert state_names(tmp_path) == "A" and fake.tokens == 40, "the slot still holds A, as the state says"
-    assert not switch.lock.held_here()
+    assert metric("kvproxy_saves_dropped_total", kind="session") == dropped + 1
+    assert switch.budget.dropped.count == 1 and switch.budget.dropped.last["session_id"] == "A"
+    assert "dropped" in switch.budget.problem()
     fake.save_fault = None
-    assert turn(switch, B, fake).cache == RESTORED
+    lease = turn(switch, A, fake)
+    assert (lease.cache, lease.restored_tokens) == (RESTORED, 12), "A's older state"
 
 
-def test_a_full_disk_during_a_swap_is_503_in_the_clients_format(tmp_path, fake, monkeypatch):
+def full_disk_on(suffix, monkeypatch):
+    """os.replace in the slot folder fails with ENOSPC for names ending in ``suffix``."""
+    real_replace = os.replace
+
+    def full_disk(src, dst):
+        if str(src).endswith(suffix):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_replace(src, dst)
+    monkeypatch.setattr(disk.os, "replace", full_disk)
+
+
+CLIENTS = (("/v1/chat/completions", OPENAI_BODY, "openai"),
+           ("/v1/messages", {**OPENAI_BODY, "model": "m", "max_tokens": 5}, "anthropic"),
+           ("/api/chat", {**OPENAI_BODY, "model": "tiny", "stream": False}, "ollama"))
+
+
+def test_a_save_the_disk_cannot_take_still_answers_every_api(tmp_path, fake, monkeypatch):
+    """A full disk during the save of the outgoing session: each session still gets its
+    answer, and /health and /api/status say what is wrong (degraded, not down)."""
+    app = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM, "base_snapshots": False,
+                      "min_free_gb": 0})
+    client = app.test_client()
+    assert client.get("/health").json["status"] == "ok"
+    full_disk_on(".saving.bin", monkeypatch)
+    for session in ("a", "b", "a", "b"):
+        for path, body, shape in CLIENTS:
+            reply = client.post(path, json=body, headers={"X-Session-Id": session})
+            assert reply.status_code == 200, (session, shape, reply.json)
+    assert not list(tmp_path.glob("*.bin")), "nothing could be saved"
+    health = client.get("/health")
+    assert health.status_code == 200 and health.json["status"] == "degraded"
+    assert "No space left on device" in health.json["disk"]
+    shown = client.get("/api/status").json["disk"]
+    assert shown["saves_dropped"] == 3 and shown["last_dropped"]["session_id"] == "a"
+    assert "No space left on device" in shown["problem"]
+
+
+def test_a_state_file_that_cannot_be_written_is_503_in_the_clients_format(tmp_path, fake,
+                                                                         monkeypatch):
+    """A disk too full even for the state file: the swap cannot claim the slot, and says so
+    in the client's format; the session in the slot keeps its cache."""
     app = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM, "base_snapshots": False,
                       "min_free_gb": 0})
     client = app.test_client()
     assert client.post("/v1/chat/completions", json=OPENAI_BODY,
                        headers={"X-Session-Id": "a"}).status_code == 200
-    real_replace = os.replace
-
-    def full_disk(src, dst):
-        if str(src).endswith(".saving.bin"):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_replace(src, dst)
-
-    for path, body, shape in (("/v1/chat/completions", OPENAI_BODY, "openai"),
-                              ("/v1/messages", {**OPENAI_BODY, "model": "m", "max_tokens": 5}, "anthropic"),
-                              ("/api/chat", {**OPENAI_BODY, "model": "tiny", "stream": False}, "ollama")):
-        # A failed swap leaves the slot untrusted (never saved) until the next good swap:
-        # a good swap back to "a" first, so the swap to "b" has "a" to save again.
-        monkeypatch.setattr(disk.os, "replace", real_replace)
-        assert client.post("/v1/chat/completions", json=OPENAI_BODY,
-                           headers={"X-Session-Id": "a"}).status_code == 200
-        monkeypatch.setattr(disk.os, "replace", full_disk)
+    full_disk_on(".tmp", monkeypatch)   # every JSON write goes through a temporary file
+    for path, body, shape in CLIENTS:
         reply = client.post(path, json=body, headers={"X-Session-Id": "b"})
         assert reply.status_code == 503 and int(reply.headers["Retry-After"]) >= 1
         message = {"openai": lambda j: j["error"]["message"],
                    "anthropic": lambda j: j["error"]["message"] if j["type"] == "error" else None,
                    "ollama": lambda j: j["error"]}[shape](reply.json)
         assert "No space left on device" in message and "slot folder" in message, message
+        again = client.post("/v1/chat/completions", json=OPENAI_BODY,
+                            headers={"X-Session-Id": "a"})
+        assert again.headers["X-KVProxy-Cache"] == "hit", "the untouched slot stays trusted"
     assert state_names(tmp_path) == "a"
     assert not list(tmp_path.glob("*.saving.bin"))
 
@@ -90,7 +130,7 @@ def test_a_full_disk_during_a_swap_is_503_in_the_clients_format(tmp_path, fake, 
 def test_a_sidecar_that_cannot_be_written_keeps_file_and_sidecar_together(tmp_path, fake,
                                                                           monkeypatch):
     """A save's new sidecar is written before its file is renamed in: a full disk at that
-    point leaves the old pair, which still restores."""
+    point leaves the old pair, which still restores; the swap goes ahead."""
     switch = make_switch(tmp_path)
     turn(switch, A, fake)
     turn(switch, B, fake)
@@ -101,16 +141,36 @@ def test_a_sidecar_that_cannot_be_written_keeps_file_and_sidecar_together(tmp_pa
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(disk, "write_json_beside", no_space)
-    with pytest.raises(StorageError, match="No space left"):
-        switch.acquire(B)
+    assert turn(switch, B, fake).cache == RESTORED
     monkeypatch.undo()
     assert (tmp_path / f"{A.stem}.bin").read_bytes() == good
     assert SessionStore(tmp_path).read_sidecar(A.stem)["saved_bytes"] == len(good)
-    turn(switch, A, fake, tokens=40)    # the slot still holds A: a hit
-    fake.tokens = 0
-    switch.executor.erase(0)              # llama-server lost it: A comes back from its file
-    SessionStore(tmp_path).write_state({})
-    assert turn(switch, A, fake).cache == RESTORED
+    assert "No space left" in switch.budget.dropped.last["reason"]
+    lease = turn(switch, A, fake)
+    assert (lease.cache, lease.restored_tokens) == (RESTORED, 12)
+
+
+def test_a_sidecar_rename_that_fails_removes_file_and_sidecar_together(tmp_path, fake,
+                                                                       monkeypatch):
+    """The new file is renamed in, its sidecar's rename fails: the old sidecar does not
+    describe the new file, so both go, and the session starts afresh."""
+    switch = make_switch(tmp_path)
+    turn(switch, A, fake)
+    turn(switch, B, fake)
+    turn(switch, A, fake, tokens=40)
+    real_replace = os.replace
+
+    def sidecar_rename_fails(src, dst):
+        if Path(dst) == switch.store.sidecar_path(A.stem):
+            raise OSError(errno.EIO, "Input/output error")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(disk.os, "replace", sidecar_rename_fails)
+    assert turn(switch, B, fake).cache == RESTORED
+    monkeypatch.undo()
+    assert not switch.store.has_bin(A.stem) and switch.store.read_sidecar(A.stem) is None
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith((".tmp", ".saving.bin"))]
+    assert turn(switch, A, fake).cache == MISS
 
 
 def test_an_empty_slot_never_replaces_a_saved_file(tmp_path, fake):
@@ -152,10 +212,10 @@ def test_the_state_never_names_a_session_the_slot_does_not_hold(tmp_path, fake, 
 
 
 
-def test_a_failed_swap_is_distrusted_even_when_the_state_file_cannot_say_so(tmp_path, fake,
-                                                                           monkeypatch):
-    """The disk is full for the whole swap: neither the swap nor the mark that it failed reaches
-    the state file, which still says the slot holds A. This process must not trust it."""
+def test_a_swap_that_fails_before_the_slot_changes_keeps_it_trusted(tmp_path, fake,
+                                                                    monkeypatch):
+    """The disk is full for the whole swap: the state file cannot be written, so the swap
+    cannot claim the slot. Nothing touched the slot: its session is still a hit."""
     switch = make_switch(tmp_path)
     turn(switch, A, fake)
     real_write = store_module.write_json_atomic
@@ -166,14 +226,41 @@ def test_a_failed_swap_is_distrusted_even_when_the_state_file_cannot_say_so(tmp_
         return real_write(path, data)
 
     monkeypatch.setattr(store_module, "write_json_atomic", state_file_full)
+    before = len(fake.actions)
     with pytest.raises(StorageError):
         switch.acquire(B)
-    monkeypatch.setattr(store_module, "write_json_atomic", real_write)
-    assert state_names(tmp_path) == "A" and not SessionStore(tmp_path).read_state().get(
-        "slot_unknown")
+    assert [action for action, _ in fake.actions[before:]] == ["save"]
     lease = switch.acquire(A)
-    assert lease.cache == RESTORED, "an unproven slot is restored, never served as a hit"
+    assert lease.cache == HIT, "the slot still holds A"
     switch.release(lease)
+    monkeypatch.setattr(store_module, "write_json_atomic", real_write)
+    assert state_names(tmp_path) == "A"
+
+
+def test_a_swap_that_fails_after_the_claim_but_before_the_slot_changes_undoes_it(
+        tmp_path, fake, monkeypatch):
+    """The claim is written, then the refusal of a bad file cannot be recorded: the claim is
+    undone, the slot still holds its session and stays trusted."""
+    switch = make_switch(tmp_path)
+    turn(switch, B, fake)
+    turn(switch, A, fake)                       # B's file saved
+    sidecar = switch.store.sidecar_path(B.stem)
+    data = json.loads(sidecar.read_text())
+    data["made_by"] = {"model_path": "another"}  # refused and recorded in the sidecar
+    sidecar.write_text(json.dumps(data))
+
+    def refuse_fails(stem, defaults, **changes):
+        raise StorageError("cannot write the sidecar: No space left on device")
+
+    monkeypatch.setattr(switch.store, "update_sidecar", refuse_fails)
+    with pytest.raises(StorageError):
+        switch.acquire(B)
+    monkeypatch.undo()
+    assert state_names(tmp_path) == "A" and switch.table.get(0).trusted
+    lease = switch.acquire(A)
+    assert lease.cache == HIT
+    switch.release(lease)
+
 
 # -- files that do not match their sidecar -----------------------------------
 def test_a_file_whose_size_does_not_match_is_moved_aside_not_restored(tmp_path, fake, caplog):
@@ -375,11 +462,26 @@ def test_free_space_reserve_evicts_or_refuses(tmp_path, fake, monkeypatch):
     assert not (tmp_path / f"{Session('s1', 'test', model=MODEL).stem}.bin").exists()
     assert (tmp_path / f"{Session('s2', 'test', model=MODEL).stem}.bin").exists()
     free["bytes"] = 10
-    before = sorted(p.name for p in tmp_path.iterdir())
-    with pytest.raises(StorageError, match="KVPROXY_MIN_FREE_GB"):
-        switch.acquire(Session("s5", "test", model=MODEL))
-    assert sorted(p.name for p in tmp_path.iterdir()) == before, "nothing deleted, nothing written"
-    assert state_names(tmp_path) == "s4"
+    before = sorted(p.name for p in tmp_path.glob("*.bin"))
+    turn(switch, Session("s5", "test", model=MODEL), fake)          # s4's save is dropped, s5 gets the slot
+    assert sorted(p.name for p in tmp_path.glob("*.bin")) == before, "nothing deleted or saved"
+    assert state_names(tmp_path) == "s5"
+    assert "KVPROXY_MIN_FREE_GB" in switch.budget.dropped.last["reason"]
+
+
+def test_the_free_space_kept_is_at_most_a_tenth_of_a_small_disk(tmp_path, fake, monkeypatch):
+    """KVPROXY_MIN_FREE_GB=1 on a 100 MB disk with 50 MB free: saves go on (10 MB kept free)."""
+    switch = make_switch(tmp_path, min_free_bytes=disk.GB)
+    usage = {"free": 50 * disk.MB, "total": 100 * disk.MB}
+    monkeypatch.setattr(disk.shutil, "disk_usage",
+                        lambda path: shutil_usage(usage["total"], usage["free"]))
+    assert switch.budget.floor() == 10 * disk.MB
+    turn(switch, A, fake)
+    turn(switch, B, fake)
+    assert switch.store.has_bin(A.stem) and switch.budget.dropped.count == 0
+    assert switch.budget.problem() is None
+    usage["free"] = 9 * disk.MB                       # below the floor: reported
+    assert "less than the 10 MB kept free" in switch.budget.problem()
 
 
 def test_estimate_uses_bytes_per_token_of_earlier_saves(tmp_path, fake):

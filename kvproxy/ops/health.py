@@ -20,7 +20,9 @@ def name_the_node(response: Response) -> Response:
 
 def health() -> Response:
     """200 with llama-server's state when it answers, 503 otherwise, or while the start-up
-    check finds that kvproxy and llama-server disagree (the reason is in ``error``)."""
+    check finds that kvproxy and llama-server disagree (the reason is in ``error``). A
+    problem with the slot folder's disk (a save dropped lately, less free space than the
+    floor) is ``status: degraded`` with the reason in ``disk``, still 200."""
     client = current_app.extensions["kvproxy.relay"].client
     try:
         upstream = client.health()
@@ -36,8 +38,13 @@ def health() -> Response:
                             "error": problem, "llama_server": upstream})
         response.status_code = 503
         return response
-    return jsonify({"status": "ok", "upstream": client.base_url, "llama_server": upstream,
-                    "startup_check": "passed" if contract.passed else "pending"})
+    # A disk problem degrades kvproxy (sessions are computed afresh), it does not stop it:
+    # still 200, so a balancer keeps sending it traffic.
+    disk_problem = current_app.extensions["kvproxy.switch"].budget.problem()
+    return jsonify({"status": "degraded" if disk_problem else "ok", "upstream": client.base_url,
+                    "llama_server": upstream,
+                    "startup_check": "passed" if contract.passed else "pending",
+                    **({"disk": disk_problem} if disk_problem else {})})
 
 
 def metrics() -> Response:

@@ -58,6 +58,10 @@ RESTORE_MISSES = Counter("kvproxy_restore_misses_total",
 EVICTIONS = Counter("kvproxy_evictions_total",
                     "Slot files deleted to keep the slot folder within its bounds",
                     registry=REGISTRY)
+SAVES_DROPPED = Counter("kvproxy_saves_dropped_total",
+                        "Saves the slot folder could not take (no room, a failed write): the "
+                        "session's newest turns were not kept on disk, the swap went ahead",
+                        ["kind"], registry=REGISTRY)
 EVICTED_BYTES = Counter("kvproxy_evicted_bytes_total", "Bytes of slot files deleted by eviction",
                         registry=REGISTRY)
 

@@ -71,12 +71,17 @@ def slots_view(listing: list[dict], llama_slots: list[dict]) -> list[dict]:
     return rows
 
 
-def disk_view(root, bound_bytes: int) -> dict:
-    """Bytes of slot files against the bound, and the filesystem's free space."""
+def disk_view(root, bound_bytes: int, budget=None) -> dict:
+    """Bytes of slot files against the bound, and the filesystem's free space; with the
+    ``DiskBudget``: the free space it keeps, the saves it dropped and the disk's problem."""
     used, files = slot_folder_usage(root)
     usage = shutil.disk_usage(root)
-    return {"used_bytes": used, "files": files, "bound_bytes": bound_bytes or None,
+    view = {"used_bytes": used, "files": files, "bound_bytes": bound_bytes or None,
             "free_bytes": usage.free, "total_bytes": usage.total}
+    if budget is not None:
+        view.update(kept_free_bytes=budget.floor(), saves_dropped=budget.dropped.count,
+                    last_dropped=budget.dropped.last, problem=budget.problem())
+    return view
 
 
 def restore_check_view(entries: dict, limit: int, running_key: str | None,
@@ -153,7 +158,7 @@ def status_data(include_sessions: bool = True) -> dict:
         "stats": switch.activity.totals(),
         "timeline": switch.activity.timeline(),
         "swaps": switch.activity.recent_swaps(),
-        "disk": disk_view(switch.store.root, switch.max_disk_bytes),
+        "disk": disk_view(switch.store.root, switch.max_disk_bytes, switch.budget),
         "restore_check": restore_check_view(switch.restore_check.entries(),
                                             settings.restore_miss_limit, running_key),
         "sessions": sessions if include_sessions else None,

@@ -62,6 +62,7 @@ class SlotExecutor:
         self.table = table
         self.budget = budget
         self.uncertain: set[int] = set()       # a swap failed half-way: trust nothing there
+        self.untouched: dict[int, SlotState] = {}  # per slot: a running swap changed nothing yet
         self.n_ctx: dict[int, int] = {}        # per slot, from /slots
         self.witness: dict[int, Any] = {}      # per slot, see view()
         self.kv_format: str | None = None      # what the last file read was written with
@@ -131,7 +132,11 @@ class SlotExecutor:
                 continue
             if isinstance(action, Save):
                 metrics.SLOT_SWAPS.labels(str(action.slot), "save").inc()
-                self.save_session(action.slot, action.state, made_by, keep=keep)
+                try:
+                    self.save_session(action.slot, action.state, made_by, keep=keep)
+                except disk.SaveFailed as exc:
+                    self.drop_save(action.slot, action.state.session_id, action.state.stem,
+                                   "session", exc)
             elif isinstance(action, KeepFile) and action.restoring_off:
                 log.info("not saving session %s from slot %d: restoring is off for this "
                          "llama-server, a file would not be restored", action.state.session_id,
@@ -145,19 +150,62 @@ class SlotExecutor:
             elif isinstance(action, Refuse):
                 self.refuse(action)
             elif isinstance(action, Restore):
+                self.touch(action.slot)
                 tokens = self.restore(action.stem, action.slot, made_by)
                 if tokens is not None:
                     filled, restored = Filled(action.cache, tokens, action.stem), True
             elif isinstance(action, Erase):
+                self.touch(action.slot)
                 self.erase(action.slot)
                 filled = Filled(MISS, 0)
             elif isinstance(action, MakeBase):
+                self.touch(action.slot)
                 filled = Filled(MISS, self.make_base(action.slot, action.system_hash, made_by,
                                                      prompt, action.model))
             elif isinstance(action, Record):
                 filled = filled or Filled(MISS, 0)
                 self.record(action.slot, action.session, filled.tokens)
         return filled or Filled(MISS, 0)
+
+    def drop_save(self, slot: int, session_id: str, stem: str, kind: str,
+                  failure: disk.SaveFailed) -> None:
+        """The slot folder could not take a save: the session's newest turns are not kept on
+        disk, and the swap goes ahead. Its file, when it has one, still holds an older state
+        that matches its sidecar (``checked_save`` keeps the old pair or removes both)."""
+        kept = self.store.read_sidecar(stem) if self.store.has_bin(stem) else None
+        older = f"its file keeps the state saved at {kept.get('saved_at')}" \
+            if kept and kept.get("saved_at") else "it has no file"
+        log.warning("dropped the save of %s %s from slot %d: %s; %s", kind, session_id, slot,
+                    failure, older)
+        metrics.SAVES_DROPPED.labels(kind).inc()
+        self.budget.dropped.note(stem, session_id, str(failure))
+
+    # -- a swap that fails -----------------------------------------------------
+    def begin(self, slot: int, state: SlotState) -> None:
+        """A swap of ``slot`` starts from ``state``: until an action changes the slot
+        (``touch``), a failure leaves it as it was (``swap_failed``)."""
+        self.untouched[slot] = state
+
+    def touch(self, slot: int) -> None:
+        """An action is about to change what ``slot`` holds."""
+        self.untouched.pop(slot, None)
+
+    def swap_failed(self, slot: int) -> None:
+        """After a failed swap: a slot no action changed keeps its record and its trust (a
+        claim already written is undone); any other is unproven until its next good swap."""
+        before = self.untouched.pop(slot, None)
+        if before is None:
+            self.mark_unproven(slot)
+            return
+        try:
+            if self.table.get(slot) != before:
+                self.table.change(lambda table: table.__setitem__(slot, before))
+        except Exception:  # noqa: BLE001 - the claim stays: the slot is not trusted
+            log.warning("could not undo the claim of slot %d in the state file", slot)
+            self.mark_unproven(slot)
+            return
+        log.info("slot %d was not changed by the failed swap: it still holds %s", slot,
+                 before.session_id or "nothing")
 
     def claim(self, slot: int, session: Session, slot_ids: list[int]) -> None:
         """Name ``session`` as what ``slot`` is being filled with, unproven until the swap is
@@ -329,8 +377,13 @@ class SlotExecutor:
         metrics.TOKENS.labels("computed").inc(computed)
         metrics.TOKENS.labels("reused").inc(int(timings.get("cache_n") or 0))
         stem = base_stem(system_hash, model)
-        if self.save(f"base:{system_hash}", stem, made_by, kind="base",
-                     system_hash=system_hash, slot=slot, tokens=len(tokens)):
+        try:
+            saved = self.save(f"base:{system_hash}", stem, made_by, kind="base",
+                              system_hash=system_hash, slot=slot, tokens=len(tokens))
+        except disk.SaveFailed as exc:
+            self.drop_save(slot, f"base:{system_hash}", stem, "base", exc)
+            saved = None
+        if saved:
             metrics.SWAPS.labels(BASE).inc()
             self.store.update_sidecar(stem, {}, prefill_computed=computed)
         return len(tokens)

@@ -132,7 +132,7 @@ class SlotSwitch:
                 if isinstance(exc, ClientGone):
                     self.pool.give_back(slot)
                     raise
-                self.mark_unknown(slot)
+                self.executor.swap_failed(slot)
                 self.pool.give_back(slot)
                 if isinstance(exc, (UpstreamError, UpstreamUnavailable, SlotUnavailable,
                                     StorageError)) or not isinstance(exc, Exception):
@@ -238,7 +238,9 @@ class SlotSwitch:
 
     def _swap_to(self, session: Session, prompt: PromptView | None, slot: int,
                  placed: str = "") -> Lease:
+        self.executor.touch(slot)  # until its record is read, a failure trusts nothing
         state = self.table.get(slot)
+        self.executor.begin(slot, state)
         view = self.slot_view(state, slot, trust_connection=state.key == session.key)
         if plan.is_hit(state, session.key, view):
             metrics.SWAPS.labels("none").inc()
@@ -253,6 +255,7 @@ class SlotSwitch:
             # The slot lost what kvproxy left in it: llama-server restarted, maybe with the
             # fix (--swa-full). Measure again rather than wait out the switch-off.
             log.info("slot %d was emptied while restoring is off: probing restores again", slot)
+            self.executor.touch(slot)
             restore_probe.probe_slot(self, self.client, slot, state)
             made_by = self.current_made_by()
             restoring_off = self.restore_check.restoring_off(fingerprint_key(made_by))

@@ -196,6 +196,9 @@ function renderDisk(disk) {
     ["slot files", `${bytes(disk.used_bytes)} in ${num(disk.files)} files`],
     ["bound", disk.bound_bytes ? `${bytes(disk.bound_bytes)} (${pct(share)} used)` : "none"],
     ["free", `${bytes(disk.free_bytes)} of ${bytes(disk.total_bytes)}`],
+    ["kept free", disk.kept_free_bytes == null ? "none" : bytes(disk.kept_free_bytes)],
+    ["saves dropped", num(disk.saves_dropped || 0)],
+    ["problem", disk.problem || "none"],
   ]);
 }
 

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
+import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 from datetime import datetime, timezone
@@ -21,12 +24,25 @@ from pathlib import Path
 from kvproxy.ops import metrics
 from kvproxy.upstream.llama import LlamaClient, UpstreamError
 from kvproxy.storage.store import (PROBE_PREFIX, QUARANTINE_DIR, SIDECAR_FORMAT, TEMP_SUFFIX, SessionStore,
-                    StorageError, now_iso, read_json, write_json_atomic, write_json_beside)
+                    StorageError, migrate_sidecar, now_iso, read_json, write_json_atomic,
+                    write_json_beside)
 
 log = logging.getLogger("kvproxy.disk")
 
 GB = 1024**3
 MB = 1024**2
+# The free-space floor (KVPROXY_MIN_FREE_GB) never asks for more than this share of the
+# filesystem's size: on a disk smaller than the floor, every save would be refused.
+MAX_FREE_SHARE = 0.1
+# How long /health and the status page report a dropped save.
+TROUBLE_SECONDS = 600
+# A temporary sidecar as ``write_json_beside`` names it: .<stem>.json.<random>.tmp
+TEMP_SIDECAR = re.compile(r"^\.(?P<stem>.+)\.json\.[^.]+\.tmp$")
+
+
+class SaveFailed(StorageError):
+    """A save the slot folder could not take (no room, a failed or short write): the
+    session's old file and sidecar are as they were, or both removed."""
 
 
 # -- one save ----------------------------------------------------------------
@@ -56,7 +72,7 @@ def checked_save(client: LlamaClient, slot_id: int, store: SessionStore, stem: s
     except (UpstreamError, OSError) as exc:
         discard(tmp)
         reason = exc.message if isinstance(exc, UpstreamError) else exc
-        raise StorageError(f"could not save {stem}.bin: {reason}; the previous file is kept") from exc
+        raise SaveFailed(f"could not save {stem}.bin: {reason}; the previous file is kept") from exc
     if not answer.get("n_saved"):
         discard(tmp)
         return None
@@ -71,39 +87,44 @@ def checked_size(store: SessionStore, stem: str, answer: dict) -> int:
     try:
         size = tmp.stat().st_size
     except FileNotFoundError:
-        raise StorageError(f"llama-server reported saving {tmp.name}, but it is not in the slot "
+        raise SaveFailed(f"llama-server reported saving {tmp.name}, but it is not in the slot "
                            f"folder {store.root}: KVPROXY_SLOT_DIR must be the folder of "
                            f"llama-server's --slot-save-path") from None
     written = answer.get("n_written")
     if not isinstance(written, int) or written <= 0 or size != written:
         discard(tmp)
-        raise StorageError(f"the save of {stem}.bin is incomplete (llama-server wrote {written} "
+        raise SaveFailed(f"the save of {stem}.bin is incomplete (llama-server wrote {written} "
                            f"bytes, the file has {size}); the previous file is kept")
     return size
 
 
 def install(store: SessionStore, stem: str, sidecar: dict) -> None:
     """Rename the checked save over ``<stem>.bin`` and its new sidecar over the old one.
-    Everything that needs disk space happens before the first rename."""
+    Everything that needs disk space happens before the first rename. A process killed
+    at any step leaves what ``sweep`` finishes (the new sidecar is written, matching its
+    file) or rolls back (the old pair is still in place)."""
     tmp = temp_path(store, stem)
     try:
         tmp_sidecar = write_json_beside(store.sidecar_path(stem), sidecar)
     except OSError as exc:
         discard(tmp)
-        raise StorageError(f"cannot write the sidecar of {stem}.bin: {exc.strerror or exc}; "
+        raise SaveFailed(f"cannot write the sidecar of {stem}.bin: {exc.strerror or exc}; "
                            f"the previous file is kept") from exc
     try:
         os.replace(tmp, store.bin_path(stem))
     except OSError as exc:
         discard(tmp)
         discard(tmp_sidecar)
-        raise StorageError(f"cannot rename the save of {stem}.bin in the slot folder: "
+        raise SaveFailed(f"cannot rename the save of {stem}.bin in the slot folder: "
                            f"{exc.strerror or exc}") from exc
     try:
         os.replace(tmp_sidecar, store.sidecar_path(stem))
-    except OSError as exc:  # the new file stays; its size check will set it aside
+    except OSError as exc:  # the new file does not match the old sidecar: both go
         discard(tmp_sidecar)
-        raise StorageError(f"cannot rename the sidecar of {stem}.bin: {exc.strerror or exc}") from exc
+        discard(store.bin_path(stem))
+        discard(store.sidecar_path(stem))
+        raise SaveFailed(f"cannot rename the sidecar of {stem}.bin: {exc.strerror or exc}; "
+                           f"the file and its sidecar are removed") from exc
 
 
 def size_problem(store: SessionStore, stem: str, sidecar: dict) -> str | None:
@@ -148,15 +169,68 @@ def is_leftover(name: str) -> bool:
             or (name.startswith(".") and name.endswith(".tmp")))
 
 
+def temp_sidecars(store: SessionStore) -> dict[str, list[Path]]:
+    """The temporary sidecars in the folder (``write_json_beside``), by the stem they are for."""
+    found: dict[str, list[Path]] = {}
+    for path in store.root.iterdir():
+        match = TEMP_SIDECAR.match(path.name)
+        if match and path.is_file():
+            found.setdefault(match["stem"], []).append(path)
+    return found
+
+
+def file_size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size if path.is_file() else None
+    except OSError:
+        return None
+
+
+def finish_save(store: SessionStore, stem: str, candidates: list[Path]) -> str | None:
+    """Roll an interrupted save of ``stem`` forward: when one of its temporary sidecars
+    (newest first) describes a complete save, the checked ``<stem>.saving.bin`` or the
+    ``<stem>.bin`` already renamed in, put that file and that sidecar in place. Returns the
+    log line, or None: the sweep then deletes the leftovers, and the old pair stays."""
+    def newest_first(path: Path) -> float:
+        try:
+            return -path.stat().st_mtime
+        except OSError:
+            return 0.0
+    for candidate in sorted(candidates, key=newest_first):
+        sidecar = migrate_sidecar(read_json(candidate))
+        if not sidecar or sidecar.get("stem") != stem or not sidecar.get("saved_at"):
+            continue
+        size = sidecar.get("saved_bytes")
+        if not isinstance(size, int) or size <= 0:
+            continue
+        saving = temp_path(store, stem)
+        if file_size(saving) == size:       # killed between the sidecar write and the renames
+            os.replace(saving, store.bin_path(stem))
+            os.replace(candidate, store.sidecar_path(stem))
+            return (f"finished the interrupted save of {stem}.bin: its checked file "
+                    f"{saving.name} and its sidecar ({size} bytes) put in place")
+        if file_size(store.bin_path(stem)) == size:   # killed between the two renames
+            os.replace(candidate, store.sidecar_path(stem))
+            return (f"finished the interrupted save of {stem}.bin: its new sidecar "
+                    f"({size} bytes) put in place")
+    return None
+
+
 def sweep(store: SessionStore) -> list[str]:
     """Clean what a crash or a foreign writer left in the slot folder; one line per action.
 
-    Run with the slot locked. Leftover temporary files are deleted; a ``.bin``
-    without a sidecar saying what made it, or whose size does not match, goes to
+    Run with the slot locked. An interrupted save whose temporary sidecar matches
+    its file is finished (``finish_save``); other leftover temporary files are
+    deleted, which rolls the save back to the old pair; a ``.bin`` without a
+    sidecar saying what made it, or whose size does not match, goes to
     quarantine; a sidecar whose slot file is gone is deleted (a sidecar that
     never had a file only counts a session's requests, and stays).
     """
     done = []
+    for stem, candidates in sorted(temp_sidecars(store).items()):
+        line = finish_save(store, stem, candidates)
+        if line:
+            done.append(line)
     for path in sorted(store.root.iterdir()):
         if path.is_file() and is_leftover(path.name):
             discard(path)
@@ -221,19 +295,78 @@ def plan_eviction(entries: list[Entry], *, total: int, incoming: int, replacing:
     return victims, True
 
 
+def shown(n_bytes: float) -> str:
+    """Bytes for a log line: MB with a decimal below 10 MB, KB below 1 MB."""
+    if n_bytes < MB:
+        return f"{n_bytes / 1024:.0f} KB"
+    return f"{n_bytes / MB:.1f} MB" if n_bytes < 10 * MB else f"{n_bytes / MB:.0f} MB"
+
+
+class DroppedSaves:
+    """Saves the slot folder could not take: how many, and the last one (for /health, the
+    status page and the log). Thread-safe; in memory, per process."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.count = 0
+        self.last: dict | None = None
+        self._last_at: float | None = None
+        self._lock = threading.Lock()
+
+    def note(self, stem: str, session_id: str, reason: str) -> None:
+        with self._lock:
+            self.count += 1
+            self.last = {"at": now_iso(), "session_id": session_id, "file": f"{stem}.bin",
+                         "reason": reason}
+            self._last_at = self.clock()
+
+    def recent(self, seconds: float = TROUBLE_SECONDS) -> dict | None:
+        """The last dropped save, when it was less than ``seconds`` ago."""
+        with self._lock:
+            if self._last_at is None or self.clock() - self._last_at > seconds:
+                return None
+            return dict(self.last or {})
+
+
 class DiskBudget:
-    """Keeps the slot folder within ``max_bytes`` and its filesystem ``min_free`` bytes free."""
+    """Keeps the slot folder within ``max_bytes`` and its filesystem ``min_free`` bytes free
+    (at most ``MAX_FREE_SHARE`` of the filesystem's size), and counts the saves it could
+    not take (``dropped``)."""
 
     def __init__(self, store: SessionStore, max_bytes: int = 0, min_free: int = 0):
         self.store = store
         self.max_bytes = max_bytes
         self.min_free = min_free
+        self.dropped = DroppedSaves()
 
     def free_bytes(self) -> int | None:
         try:
             return shutil.disk_usage(self.store.root).free
         except OSError:
             return None
+
+    def floor(self) -> int:
+        """The free space kept: ``min_free``, but never more than ``MAX_FREE_SHARE`` of the
+        filesystem's size, so a small disk still takes saves."""
+        try:
+            size = shutil.disk_usage(self.store.root).total
+        except OSError:
+            return self.min_free
+        return min(self.min_free, int(size * MAX_FREE_SHARE))
+
+    def problem(self) -> str | None:
+        """What is wrong with the slot folder's disk now, for /health and the status page:
+        a save dropped in the last ``TROUBLE_SECONDS``, or less free space than the floor
+        (which eviction keeps when it can). None when nothing is."""
+        last = self.dropped.recent()
+        if last:
+            return (f"the save of session {last['session_id']} was dropped at {last['at']} "
+                    f"({self.dropped.count} dropped since start): {last['reason']}")
+        free, floor = self.free_bytes(), self.floor()
+        if free is not None and floor and free < floor:
+            return (f"{shown(free)} free on the slot folder's filesystem, less than the "
+                    f"{shown(floor)} kept free (KVPROXY_MIN_FREE_GB)")
+        return None
 
     def entries(self, keep: set[str], sidecars: list[dict] | None = None
                 ) -> tuple[list[Entry], int]:
@@ -288,15 +421,15 @@ class DiskBudget:
         if not self.max_bytes and not self.min_free and not incoming:
             return incoming
         entries, total = self.entries(keep, sidecars)
-        free = self.free_bytes()
+        free, floor = self.free_bytes(), self.floor()
         victims, fits = plan_eviction(entries, total=total, incoming=incoming,
                                       replacing=self.store.bin_bytes(stem), free=free,
-                                      max_bytes=self.max_bytes, min_free=self.min_free)
+                                      max_bytes=self.max_bytes, min_free=floor)
         if not fits:
-            raise StorageError(
-                f"no room to save {stem}.bin: {free / MB:.0f} MB free on the slot folder's disk, "
-                f"the save needs about {incoming / MB:.0f} MB and KVPROXY_MIN_FREE_GB keeps "
-                f"{self.min_free / GB:g} GB free")
+            raise SaveFailed(
+                f"no room to save {stem}.bin: {shown(free or 0)} free on the slot folder's "
+                f"filesystem, the save needs about {shown(incoming)} and {shown(floor)} is kept "
+                f"free (KVPROXY_MIN_FREE_GB, at most {MAX_FREE_SHARE:.0%} of the filesystem)")
         self._delete(victims, "to make room for a save")
         return incoming
 
