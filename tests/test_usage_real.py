@@ -1,7 +1,8 @@
-"""Every API's usage fields carry llama-server's prompt, cached and generated token counts.
+"""Every API's usage fields carry the request's prompt, cached and generated token counts.
 
 Driven by the real ``anthropic``, ``openai`` and ``ollama`` clients against kvproxy on the
-real llama-server: a first turn, then a second one that reads the first from the slot.
+real llama-server: a first turn, then a second one that reads the first from the slot; and a
+first conversation that made a base snapshot (computed), then another behind it (cached).
 """
 from __future__ import annotations
 
