@@ -53,6 +53,7 @@ class FakeLlama:
         self.slot_token_ids: list[int] | None = None
         self.prefills: list[list[int]] = []
         self.prefill_reused = 0   # tokens a prefill finds cached (llama-server's RAM cache)
+        self.prefill_ms = 1.0     # a prefill's time per computed token
         mock.add_callback(responses.POST, re.compile(rf"{UPSTREAM}/slots/\d+\?action=\w+"),
                           callback=self._slot)
         mock.add_callback(responses.GET, f"{UPSTREAM}/props", callback=lambda r: self._json(self.props))
@@ -86,8 +87,10 @@ class FakeLlama:
         self.prefills.append(body["prompt"])
         self.held[self._slot_of(body)] = len(body["prompt"])
         reused = min(self.prefill_reused, len(body["prompt"]))
+        computed = len(body["prompt"]) - reused
         return self._json({"content": "", "timings": {
-            "cache_n": reused, "prompt_n": len(body["prompt"]) - reused, "predicted_n": 0}})
+            "cache_n": reused, "prompt_n": computed, "prompt_ms": computed * self.prefill_ms,
+            "predicted_n": 0}})
 
     def slot_entry(self, slot: int = 0) -> dict:
         """As llama-server lists it: no id_task until a task ran since start."""
@@ -166,17 +169,22 @@ class FakeLlama:
         timings = dict(self.chat_timings)
         self.held[self._slot_of(body)] = timings["cache_n"] + timings["prompt_n"] + timings["predicted_n"]
         message = {"role": "assistant", "content": "ok"}
+        usage = {"prompt_tokens": timings["prompt_n"] + timings["cache_n"], "completion_tokens": 2,
+                 "prompt_tokens_details": {"cached_tokens": timings["cache_n"]}}
         if body.get("stream"):
-            chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": "ok"}}]},
-                      {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
-                       "timings": timings}]
+            # As llama-server: timings on every chunk with timings_per_token, else on the
+            # last one, which is the usage chunk when stream_options asks for usage.
+            each = {"timings": timings} if body.get("timings_per_token") else {}
+            chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": "ok"}}],
+                       **each},
+                      {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], **each}]
+            if (body.get("stream_options") or {}).get("include_usage"):
+                chunks.append({"choices": [], "usage": usage})
+            chunks[-1]["timings"] = timings
             text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
             return 200, {"Content-Type": "text/event-stream"}, text
         return self._json({"choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
-                           "usage": {"prompt_tokens": timings["prompt_n"] + timings["cache_n"],
-                                     "completion_tokens": 2,
-                                     "prompt_tokens_details": {"cached_tokens": timings["cache_n"]}},
-                           "timings": timings})
+                           "usage": usage, "timings": timings})
 
     def _text(self, request):
         """/v1/completions: the same answer as text chunks, timings on the last one."""

@@ -137,7 +137,7 @@ def test_a_call_marked_side_is_never_saved(tmp_path, fake):
 def test_a_responses_api_answer_counts_its_tokens_from_its_usage(result, timings):
     """llama-server's whole Responses API answer carries ``usage`` instead of ``timings``."""
     assert timings_from_usage(result) == timings
-    lease = SimpleNamespace(headers=lambda timings=None: {})
+    lease = SimpleNamespace(headers=lambda timings=None: {}, prefill=None)
     assert Answer(None, lease, result).timings == timings
 
 

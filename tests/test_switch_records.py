@@ -170,16 +170,22 @@ def test_base_snapshot_sidecar_and_metric(tmp_path, fake):
     assert metric("kvproxy_swaps_total", kind="base") == before + 1
 
 
-def test_the_base_prefill_counts_its_tokens_reused_and_computed(tmp_path, fake):
-    """The prefill is kvproxy's own request: no answer reports its tokens, so the switch
-    counts them (llama-server's RAM cache can serve part of it)."""
+def test_the_base_prefill_counts_its_tokens_computed_and_the_request_what_it_reused(
+        tmp_path, fake):
+    """The prefill is kvproxy's own request: no answer reports the tokens it computed, so the
+    switch counts them when it makes the base, even for a request that then fails. What the
+    prefill found cached (llama-server's RAM cache) counts as reused once the request reuses
+    it, as the request's usage and the status page report it."""
     switch = make_switch(tmp_path, base_snapshots=True)
     fake.prefill_reused = 30
     reused, computed = metric("kvproxy_prompt_tokens_total", kind="reused"), \
         metric("kvproxy_prompt_tokens_total", kind="computed")
-    switch.release(switch.acquire(A, prompt=FakePrompt(range(110), list(range(100)))))
-    assert metric("kvproxy_prompt_tokens_total", kind="reused") == reused + 30
+    lease = switch.acquire(A, prompt=FakePrompt(range(110), list(range(100))))
     assert metric("kvproxy_prompt_tokens_total", kind="computed") == computed + 70
+    switch.release(lease, {"cache_n": 100, "prompt_n": 10, "predicted_n": 1})
+    assert metric("kvproxy_prompt_tokens_total", kind="reused") == reused + 30
+    assert metric("kvproxy_prompt_tokens_total", kind="computed") == computed + 80
+    assert switch.activity.totals()["tokens"] == {"reused": 30, "computed": 80}
     assert SessionStore(tmp_path).read_sidecar(base_stem("aaaa", MODEL))["prefill_computed"] == 70
 
 

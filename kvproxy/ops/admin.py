@@ -48,9 +48,10 @@ class SessionSchema(ma.Schema):
     last_cache = ma.fields.String(allow_none=True, metadata={
         "description": "hit, restored, base or miss, for the last request"})
     last_cache_n = ma.fields.Integer(allow_none=True, metadata={
-        "description": "Prompt tokens llama-server reused on the last request"})
+        "description": "Prompt tokens the last request reused (a base snapshot its swap made "
+                       "counts as computed)"})
     last_prompt_n = ma.fields.Integer(allow_none=True, metadata={
-        "description": "Prompt tokens llama-server computed on the last request"})
+        "description": "Prompt tokens computed for the last request"})
     prefill_computed = ma.fields.Integer(allow_none=True, metadata={
         "description": "Base snapshots: tokens computed to make it (the system prompt alone)"})
     made_by = ma.fields.Dict(allow_none=True, metadata={

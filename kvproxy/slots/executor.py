@@ -44,12 +44,47 @@ class HeldElsewhere(Exception):
 
 
 @dataclass(frozen=True)
+class Prefill:
+    """A base snapshot's system prompt, computed into the slot by the swap of the request that
+    needed it (llama-server's figures for that prefill). The request then finds those tokens
+    in the slot, but they were computed for it: its usage reports them as computed."""
+
+    computed: int      # tokens the prefill computed (its prompt_n)
+    reused: int = 0    # tokens it found cached already (its cache_n)
+    ms: float = 0.0    # its prompt_ms
+
+    def moved(self, cache_n: int) -> int:
+        """Of the ``cache_n`` tokens a request reused, those this prefill computed."""
+        return max(0, min(cache_n, self.computed + self.reused) - self.reused)
+
+    def timings(self, timings: dict) -> dict:
+        """llama-server's ``timings`` of the request, with the tokens this prefill computed
+        counted as computed (not reused) and its time added to the prompt's."""
+        cache_n = int(timings.get("cache_n") or 0)
+        moved = self.moved(cache_n)
+        if not moved:
+            return timings
+        prompt_n = int(timings.get("prompt_n") or 0) + moved
+        out = {**timings, "cache_n": cache_n - moved, "prompt_n": prompt_n}
+        if "prompt_ms" in timings:
+            ms = float(timings.get("prompt_ms") or 0) + self.ms
+            out["prompt_ms"] = ms
+            if "prompt_per_token_ms" in timings:
+                out["prompt_per_token_ms"] = ms / prompt_n
+            if "prompt_per_second" in timings:
+                out["prompt_per_second"] = 1000.0 * prompt_n / ms if ms > 0 else 0.0
+        return out
+
+
+@dataclass(frozen=True)
 class Filled:
-    """What a swap's filling did: the cache state, the tokens the slot holds, the file used."""
+    """What a swap's filling did: the cache state, the tokens the slot holds, the file used,
+    the base prefill it computed."""
 
     cache: str
     tokens: int
     stem: str | None = None
+    prefill: Prefill | None = None
 
 
 class SlotExecutor:
@@ -160,8 +195,8 @@ class SlotExecutor:
                 filled = Filled(MISS, 0)
             elif isinstance(action, MakeBase):
                 self.touch(action.slot)
-                filled = Filled(MISS, self.make_base(action.slot, action.system_hash, made_by,
-                                                     prompt, action.model))
+                filled = self.make_base(action.slot, action.system_hash, made_by, prompt,
+                                        action.model)
             elif isinstance(action, Record):
                 filled = filled or Filled(MISS, 0)
                 self.record(action.slot, action.session, filled.tokens)
@@ -354,28 +389,29 @@ class SlotExecutor:
         metrics.observe_swap("erase", time.monotonic() - started, 0)
 
     def make_base(self, slot: int, system_hash: str, made_by: dict,
-                  prompt: PromptView | None, model: str | None = None) -> int:
+                  prompt: PromptView | None, model: str | None = None) -> Filled:
         """Prefill the system prompt alone and save it as the base snapshot.
 
         Never the first user's message or answer: a later conversation could
         probe them through the cached-token counts every API reports. Returns
-        the tokens the slot then holds (0 when no base was made).
+        the tokens the slot then holds (0 when no base was made) and the prefill
+        (the request reports its tokens as computed).
         """
         if prompt is None:
-            return 0
+            return Filled(MISS, 0)
         try:
             tokens = prompt.system_tokens(MIN_BASE_TOKENS)
             if not tokens or len(tokens) < MIN_BASE_TOKENS:
-                return 0
+                return Filled(MISS, 0)
             timings = self.client.prefill(tokens, slot).get("timings") or {}
         except (UpstreamError, UpstreamUnavailable) as exc:
             log.warning("no base snapshot for system prompt %s: %s", system_hash, exc)
             self.erase(slot)
-            return 0
-        # Not in the answer's timings: count it here, so computed tokens add up.
+            return Filled(MISS, 0)
+        # Not in the answer's timings: counted here, so computed tokens add up (what the
+        # request reuses of it is counted with the request).
         computed = int(timings.get("prompt_n") or 0)
         metrics.TOKENS.labels("computed").inc(computed)
-        metrics.TOKENS.labels("reused").inc(int(timings.get("cache_n") or 0))
         stem = base_stem(system_hash, model)
         try:
             saved = self.save(f"base:{system_hash}", stem, made_by, kind="base",
@@ -386,4 +422,6 @@ class SlotExecutor:
         if saved:
             metrics.SWAPS.labels(BASE).inc()
             self.store.update_sidecar(stem, {}, prefill_computed=computed)
-        return len(tokens)
+        prefill = Prefill(computed, int(timings.get("cache_n") or 0),
+                          float(timings.get("prompt_ms") or 0))
+        return Filled(MISS, len(tokens), prefill=prefill)

@@ -6,7 +6,7 @@ from typing import Any
 from urllib.parse import quote
 
 from kvproxy.sessions.identity import Session
-from kvproxy.slots.executor import PromptView
+from kvproxy.slots.executor import Prefill, PromptView
 from kvproxy.slots.plan import BASE, MISS, RESTORED
 from kvproxy.slots.restore_check import MIN_TOKENS_TO_VERIFY
 
@@ -24,7 +24,13 @@ class Lease:
     prompt: PromptView | None = field(default=None, repr=False)  # for the restore check
     slot: int = 0                      # the llama-server slot it runs in (pin with id_slot)
     leased_at: float = 0.0             # monotonic time the slot was taken
+    prefill: Prefill | None = None     # a base snapshot's prefill, computed by this swap
     _release: Any = field(default=None, repr=False)
+
+    def figures(self, timings: dict) -> dict:
+        """The answer's ``timings`` as this request's usage: the tokens a base prefill of its
+        swap computed count as computed, with their time, not as reused."""
+        return self.prefill.timings(timings) if self.prefill and timings else timings
 
     def outcome(self, timings: dict | None = None) -> str:
         """What the request reused, once llama-server's ``timings`` tell: a restore of which it

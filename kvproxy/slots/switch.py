@@ -269,7 +269,7 @@ class SlotSwitch:
                  "id_slot=%d placed=%s", session.id, session.source, filled.cache, view,
                  filled.tokens, swap_ms, slot, placed or "admin")
         return Lease(session, filled.cache, filled.tokens, swap_ms, filled.stem, made_by,
-                     prompt, slot=slot)
+                     prompt, slot=slot, prefill=filled.prefill)
 
     def clear(self, slot: int | None = None) -> list[int]:
         """Save what a slot (default: every slot) holds, erase it and make ``default`` its
@@ -358,11 +358,14 @@ class SlotSwitch:
     # -- after the request -------------------------------------------------
     def _after_request(self, lease: Lease, timings: dict) -> None:
         session = lease.session
-        cache_n = int(timings.get("cache_n") or 0)
-        prompt_n = int(timings.get("prompt_n") or 0)
+        # What the request reused and computed, the base prefill of its swap counted as
+        # computed (the metric counted that prefill when it was made).
+        figures = lease.figures(timings)
+        cache_n = int(figures.get("cache_n") or 0)
+        prompt_n = int(figures.get("prompt_n") or 0)
         metrics.TOKENS.labels("reused").inc(cache_n)
-        metrics.TOKENS.labels("computed").inc(prompt_n)
-        self.activity.record(lease, timings)
+        metrics.TOKENS.labels("computed").inc(int(timings.get("prompt_n") or 0))
+        self.activity.record(lease, figures)
         slot = lease.slot
         self.executor.witness[slot] = self.client.witness()
         # What the slot now holds: compared with /slots before the next swap.

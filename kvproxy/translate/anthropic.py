@@ -292,7 +292,8 @@ def stop_reason(finish: str | None, verbose: Any, stops: Iterable[str],
 
 
 def usage(timings: Any, openai_usage: Any = None) -> dict:
-    """Token figures as llama-server measured them: cache_n reused, prompt_n computed."""
+    """Token figures of the request: cache_n reused, prompt_n computed (a base prefill of its
+    swap counted as computed: ``translate.usage``)."""
     t = timings if isinstance(timings, dict) else {}
     u = openai_usage if isinstance(openai_usage, dict) else {}
     cached = t.get("cache_n")

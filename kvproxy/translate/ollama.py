@@ -250,8 +250,9 @@ def _ns(ms: Any) -> int:
 def durations(timings: dict, usage: dict, started_ns: int, now_ns: int) -> dict:
     """Ollama's counters in integer nanoseconds, from llama-server's ``timings``.
 
-    prompt_eval_count is what llama-server computed (prompt_n), so a cached prompt shows
-    as a small count. load_duration is the part of the wall time outside evaluation:
+    prompt_eval_count is what was computed for the request (prompt_n; with a base prefill of
+    its swap counted in, and its time in prompt_ms: ``translate.usage``), so a cached prompt
+    shows as a small count. load_duration is the part of the wall time outside evaluation:
     waiting for the slot and swapping the session's KV state in.
     """
     usage = usage or {}

@@ -42,7 +42,7 @@ def messages() -> Response:
         # first chunk) reports the real prompt and cache figures instead of zeros.
         llama_body["timings_per_token"] = True
     call = ChatCall(body=llama_body, headers=request.headers, raw=body,
-                    path="/v1/chat/completions")
+                    path="/v1/chat/completions", translated=True)
     return serve_chat(
         call, stream=stream,
         render_full=lambda result: translate.to_message(result, model, stops),

@@ -136,7 +136,7 @@ def generation(kind: str) -> Response:
     path, upstream = ("/v1/chat/completions", tr.chat_body(body, vision)) if kind == "chat" \
         else tr.generate_call(body, vision)
     call = ChatCall(body=upstream, headers=request.headers, raw=body, path=path,
-                    model=model["upstream_id"])
+                    model=model["upstream_id"], translated=True)
     return _serve(call, kind, name, stream, started, body.get("think") is not False)
 
 

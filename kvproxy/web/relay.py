@@ -21,6 +21,7 @@ from kvproxy.slots.lease import Lease
 from kvproxy.slots.models import ModelSwitches, is_loaded, pick_model
 from kvproxy.slots.switch import SlotSwitch
 from kvproxy.slots.unpinned import protect_other_slots
+from kvproxy.translate import usage
 
 MODEL_FACTS_TTL = 10.0
 
@@ -49,6 +50,9 @@ class ChatCall:
     side: bool = False  # force a side request (never saved), e.g. embeddings
     session: identity.Session | None = None  # a route that names its session itself (infill)
     model: str | None = None  # the model asked for, where the body does not name it (Ollama)
+    # The answer is rendered in another API's format (Anthropic, Ollama) from its timings, so
+    # they count a base prefill of this request too; relayed answers keep llama-server's.
+    translated: bool = False
     # False once the client has gone (checked after waiting for the slot, before a swap).
     still_wanted: Callable[[], bool] | None = None
 
@@ -79,12 +83,13 @@ class Answer:
     showed (sidecar, state file) does not delay the client.
     """
 
-    def __init__(self, switch: SlotSwitch, lease: Lease, result: Any):
+    def __init__(self, switch: SlotSwitch, lease: Lease, result: Any, translated: bool = False):
         self._switch = switch
         self.lease = lease
-        self.result = result
         timings = result.get("timings") if isinstance(result, dict) else None
+        # llama-server's own figures, for the switch (it counts a base prefill itself)
         self.timings: dict = timings if isinstance(timings, dict) else timings_from_usage(result)
+        self.result = usage.honest(result, lease.prefill, translated)
         self.headers = lease.headers(self.timings)
 
     def close(self) -> None:
@@ -95,21 +100,26 @@ class Answer:
 class Exchange:
     """A streaming answer that holds the slot until it is closed."""
 
-    def __init__(self, switch: SlotSwitch, lease: Lease, response):
+    def __init__(self, switch: SlotSwitch, lease: Lease, response, translated: bool = False):
         self._switch = switch
         self.lease = lease
         self._response = response
+        self._translated = translated
         self.timings: dict = {}
         self.headers = lease.headers()
 
     def events(self) -> Iterator[tuple[bytes, dict | None]]:
-        """Upstream SSE events as ``(raw bytes, parsed)``, as they arrive."""
+        """Upstream SSE events as ``(raw bytes, parsed)``, as they arrive; their usage
+        counts a base prefill of this request as computed (``usage.honest``)."""
         for raw, event in sse_events(self._response):
             if past_shutdown_grace():
                 raise ShuttingDown("kvproxy is shutting down: the answer was cut short; "
                                    "send the request again")
             if isinstance(event, dict) and isinstance(event.get("timings"), dict):
                 self.timings = event["timings"]
+            told = usage.honest(event, self.lease.prefill, self._translated)
+            if told is not event:
+                raw, event = usage.reencoded(raw, told), told
             yield raw, event
 
     def close(self) -> None:
@@ -235,7 +245,7 @@ class Relay:
         response = None
         try:
             response = client.post_stream(call.path, self._upstream_body(call, True, lease, client))
-            return Exchange(switch, lease, response)
+            return Exchange(switch, lease, response, call.translated)
         except BaseException:
             try:
                 if response is not None:
@@ -249,7 +259,7 @@ class Relay:
         switch, client, lease = self._acquire(call, False)
         try:
             result = client.post_json(call.path, self._upstream_body(call, False, lease, client))
-            return Answer(switch, lease, result)
+            return Answer(switch, lease, result, call.translated)
         except BaseException:
             switch.release(lease)
             raise
