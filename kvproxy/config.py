@@ -130,6 +130,11 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds llama-server may stay silent during one request (prefill of a long prompt included)."),
     Setting("slot_action_timeout", "300", _timeout,
             "Seconds a save, restore or erase may take."),
+    Setting("receive_timeout", "30", _timeout,
+            "Seconds a client may take to send a request's headers and body, plus one second per "
+            "16 KiB received (slow links, large bodies); a request that has not arrived by then "
+            "is closed. The worker's main loop reads requests, so slow clients never hold a "
+            "thread meanwhile."),
     Setting("session_headers",
             "X-Session-Id,X-Conversation-Id,Session-Id,Conversation-Id,"
             "X-OpenWebUI-Chat-Id,X-Claude-Code-Session-Id", _csv,

@@ -142,7 +142,7 @@ def test_nginx_accepts_the_site(name, tmp_path):
 
 def test_gunicorn_process_settings(monkeypatch):
     defaults = gunicorn_settings(monkeypatch)
-    assert defaults["worker_class"] == "gthread" and defaults["workers"] == 1
+    assert defaults["worker_class"] == "kvproxy.web.worker.ReceivingWorker" and defaults["workers"] == 1
     assert defaults["forwarded_allow_ips"] == "127.0.0.1,::1"
     custom = gunicorn_settings(monkeypatch, KVPROXY_GRACEFUL_TIMEOUT="300",
                                KVPROXY_FORWARDED_ALLOW_IPS="10.0.0.5", KVPROXY_KEEPALIVE="90")
