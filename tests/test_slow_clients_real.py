@@ -17,7 +17,7 @@ from tests.conftest import Stack
 pytestmark = pytest.mark.real
 
 THREADS = 32
-RECEIVE_TIMEOUT = 20
+RECEIVE_TIMEOUT = 30
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +135,7 @@ def test_a_413_closes_the_connection(stack, framing):
     if framing == "length":   # refused from the header; the body is never sent
         request = head + f"Content-Length: {3 * 1024 * 1024}\r\n\r\n".encode() + b"{"
     else:                     # refused once the bound is passed; the client sends no more
-        chunk = b"x" * (1024 * 1024 + 10)
+        chunk = b"x" * (1024 * 1024 + 64 * 1024)
         request = head + b"Transfer-Encoding: chunked\r\n\r\n" + \
             f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n"
     sock = socket.create_connection(("127.0.0.1", stack.proxy.port), timeout=10)
