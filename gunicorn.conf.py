@@ -11,7 +11,9 @@ import os
 
 bind = f"{os.environ.get('KVPROXY_HOST', '127.0.0.1')}:{os.environ.get('KVPROXY_PORT', '11434')}"
 workers = 1
-worker_class = "gthread"
+# gthread, with each request read in the worker's main loop before a thread serves it:
+# silent or trickling clients never hold a thread (KVPROXY_RECEIVE_TIMEOUT bounds them).
+worker_class = "kvproxy.web.worker.ReceivingWorker"
 # Requests waiting for the slot hold a thread each (at most KVPROXY_MAX_WAITERS): keep
 # threads beyond them so /health, /metrics and the admin API always find one.
 threads = int(os.environ.get("KVPROXY_THREADS")

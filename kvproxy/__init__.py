@@ -63,7 +63,7 @@ def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
     app.wsgi_app = FreeHeldSlots(app.wsgi_app)
 
     from kvproxy.ops import admin, metrics, health as ops
-    from kvproxy.web import body_limit
+    from kvproxy.web import body_limit, guard
     from kvproxy.web import anthropic, errors, llamacpp, ollama, openai, passthrough
     for blueprint in (ops.blueprint, openai.blueprint, ollama.blueprint, anthropic.blueprint,
                       llamacpp.blueprint, passthrough.blueprint):
@@ -73,6 +73,7 @@ def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
     api.register_blueprint(admin.slots_blueprint)
     body_limit.init_app(app)
     app.before_request(admin.require_token)  # after the body limit, as the routes' own checks
+    guard.init_app(app)  # Host names, cross-site requests, admin content types
     errors.init_app(app, api)
     metrics.init_app(app)
     from kvproxy.ops import status  # GET /status and /api/status

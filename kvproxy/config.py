@@ -115,6 +115,17 @@ SETTINGS: tuple[Setting, ...] = (
             "With one slot: the llama-server slot kvproxy drives."),
     Setting("admin_token", "", str,
             "When set, the admin API (/api/sessions, /api/status) needs 'Authorization: Bearer <token>'."),
+    Setting("allowed_hosts", "host.docker.internal", _csv,
+            "Host names kvproxy answers to besides loopback names (localhost), IP addresses and "
+            "this machine's host name, comma-separated ('.example.com': it and every name under "
+            "it; '*': any). A request for any other Host is refused with 403, so a web page "
+            "whose name points at kvproxy (DNS rebinding) cannot use it. Behind a proxy that "
+            "passes Host, list the names clients use."),
+    Setting("allowed_origins", "", _csv,
+            "Web pages (origins such as https://chat.example.com) whose browser requests may "
+            "change something (chats, admin actions) or read the admin API; a request from a page "
+            "on any other site is refused with 403. Clients that are not browsers are not "
+            "affected."),
     Setting("node_name", "", _node_name,
             "Name of this machine, sent in the X-KVProxy-Node header of every reply (several "
             "machines behind one balancer); empty: the host name."),
@@ -130,6 +141,11 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds llama-server may stay silent during one request (prefill of a long prompt included)."),
     Setting("slot_action_timeout", "300", _timeout,
             "Seconds a save, restore or erase may take."),
+    Setting("receive_timeout", "30", _timeout,
+            "Seconds a client may take to send a request's headers and body, plus one second per "
+            "16 KiB received (slow links, large bodies); a request that has not arrived by then "
+            "is closed. The worker's main loop reads requests, so slow clients never hold a "
+            "thread meanwhile."),
     Setting("session_headers",
             "X-Session-Id,X-Conversation-Id,Session-Id,Conversation-Id,"
             "X-OpenWebUI-Chat-Id,X-Claude-Code-Session-Id", _csv,

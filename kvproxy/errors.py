@@ -143,6 +143,23 @@ class ShuttingDown(KvproxyError):
     retry_after = 5
 
 
+# -- the client's socket (kvproxy.web.worker) ----------------------------------
+class ReceiveTimeout(TimeoutError):
+    """The request's body did not arrive within ``KVPROXY_RECEIVE_TIMEOUT`` (raised by the
+    gunicorn worker while the app reads it; a ``TimeoutError``, as gunicorn's own drain of
+    an unread body expects). The web layer answers it as ``RequestTimedOut``."""
+
+
+class RequestTimedOut(ClientError):
+    """The 408 a ``ReceiveTimeout`` becomes; the connection closes after it."""
+
+    status = 408
+
+    def __init__(self):
+        super().__init__("the request body did not arrive in time (KVPROXY_RECEIVE_TIMEOUT)",
+                         headers={"Connection": "close"})
+
+
 # -- start-up (kvproxy.config, kvproxy.ops.startup) -----------------------------
 class ConfigError(KvproxyError, ValueError):
     """A setting has a value kvproxy cannot use (start-up stops with this one line)."""

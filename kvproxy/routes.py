@@ -116,8 +116,9 @@ ROUTES: tuple[Route, ...] = tuple([
             PLAIN, note="token counts of a chat or Responses request"),
     Route("/v1/chat/completions/control", POST, "passthrough", PLAIN,
           note="steers an answer that is running, so it must not wait for the slot"),
-    Route("/slots", GET, "passthrough", PLAIN,
-          note="slot state, read only (slot actions are kvproxy's)"),
+    Route("/slots", GET, "passthrough", PLAIN, token=EVERY,
+          note="slot state, read only (slot actions are kvproxy's); it shows the last "
+               "prompt's length, sampling settings and seed"),
     Route("/lora-adapters", ("GET", "POST"), "passthrough", PLAIN, token=POST,
           note="LoRA adapter scales"),
     Route("/v1/health", GET, "passthrough", PLAIN, note="llama-server's own health"),

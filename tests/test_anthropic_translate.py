@@ -435,7 +435,7 @@ def app(tmp_path):
 @pytest.fixture
 def sdk(app):
     http = httpx2.Client(transport=httpx2.WSGITransport(app=app))
-    yield anthropic.Anthropic(base_url="http://kvproxy.test", api_key="x", max_retries=0,
+    yield anthropic.Anthropic(base_url="http://127.0.0.1", api_key="x", max_retries=0,
                               http_client=http)
     http.close()
 

@@ -99,9 +99,10 @@ def test_body_limit_and_admin_routes(name):
     assert "location @body_too_large {" in text
     pattern, admin = re.search(r"location ~ (\S+) \{(.*?)\}", text, re.S).groups()
     assert "deny all;" in admin and "allow 127.0.0.1;" in admin
-    local_only = ["/api/sessions", "/api/sessions/a%2Fb", "/api/slots", "/api/status", "/status"]
+    local_only = ["/api/sessions", "/api/sessions/a%2Fb", "/api/slots", "/api/status", "/status",
+                  "/slots", "/slots/0"]
     anywhere = ["/api/chat", "/api/tags", "/api/show", "/v1/chat/completions", "/health",
-                "/metrics", "/static/status.js", "/api/statuses"]
+                "/metrics", "/static/status.js", "/api/statuses", "/slotsx"]
     assert [p for p in local_only if not re.search(pattern, p)] == []
     assert [p for p in anywhere if re.search(pattern, p)] == []
 
@@ -142,7 +143,7 @@ def test_nginx_accepts_the_site(name, tmp_path):
 
 def test_gunicorn_process_settings(monkeypatch):
     defaults = gunicorn_settings(monkeypatch)
-    assert defaults["worker_class"] == "gthread" and defaults["workers"] == 1
+    assert defaults["worker_class"] == "kvproxy.web.worker.ReceivingWorker" and defaults["workers"] == 1
     assert defaults["forwarded_allow_ips"] == "127.0.0.1,::1"
     custom = gunicorn_settings(monkeypatch, KVPROXY_GRACEFUL_TIMEOUT="300",
                                KVPROXY_FORWARDED_ALLOW_IPS="10.0.0.5", KVPROXY_KEEPALIVE="90")

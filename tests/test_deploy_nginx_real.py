@@ -128,10 +128,11 @@ def test_session_headers_reach_kvproxy(nginx, header):
 
 
 def test_admin_api_only_from_this_machine(nginx):
-    local_only = ["/api/sessions", "/api/sessions/current", "/api/slots", "/api/status", "/status"]
-    assert [requests.get(nginx.url + p, timeout=30).status_code for p in local_only] == [200] * 5
+    local_only = ["/api/sessions", "/api/sessions/current", "/api/slots", "/api/status", "/status",
+                  "/slots"]
+    assert [requests.get(nginx.url + p, timeout=30).status_code for p in local_only] == [200] * 6
     with session_from("127.0.0.2") as elsewhere:
-        assert [elsewhere.get(nginx.url + p, timeout=30).status_code for p in local_only] == [403] * 5
+        assert [elsewhere.get(nginx.url + p, timeout=30).status_code for p in local_only] == [403] * 6
         for path in ("/health", "/api/tags", "/v1/models"):
             assert elsewhere.get(nginx.url + path, timeout=30).status_code == 200, path
 

@@ -350,12 +350,12 @@ def test_clear_takes_one_slot_or_all(mock, tmp_path):
     for name in ("one", "two"):
         client.post("/v1/chat/completions", headers={"X-Session-Id": name},
                     json={"messages": [{"role": "user", "content": "hi"}]})
-    reply = client.post("/api/sessions/clear?slot=1")
+    reply = client.post("/api/sessions/clear?slot=1", json={})
     assert reply.status_code == 200 and reply.get_json()["slots"] == [1]
     table = SessionStore(tmp_path).read_table()
     assert table[0]["active"] == "one" and table[1]["active"] == "default"
-    assert client.post("/api/sessions/clear?slot=7").status_code == 400
-    assert client.post("/api/sessions/clear").get_json()["slots"] == [0, 1]
+    assert client.post("/api/sessions/clear?slot=7", json={}).status_code == 400
+    assert client.post("/api/sessions/clear", json={}).get_json()["slots"] == [0, 1]
     assert all(e["active"] == "default" for e in SessionStore(tmp_path).read_table().values())
     current = client.get("/api/sessions/current").get_json()
     assert current["session_id"] == "default" and len(current["slots"]) == 2

@@ -94,7 +94,7 @@ def test_health_metrics_and_admin_reads_answer_while_every_chat_thread_waits(tmp
             assert reply.status_code == 200, path
             assert time.monotonic() - started < 5, f"{path} waited for the slot (10 s)"
         started = time.monotonic()
-        assert client.post("/api/sessions/restore-check/reset").status_code == 200
+        assert client.post("/api/sessions/restore-check/reset", json={}).status_code == 200
         assert time.monotonic() - started < 5
         assert client.post("/v1/chat/completions", json=CHAT).status_code == 503
     finally:
@@ -382,8 +382,8 @@ def test_restoring_off_expires_and_admin_reset_turns_it_on(tmp_path, fake):
     auth = {"Authorization": "Bearer t"}
     current = client.get("/api/sessions/current", headers=auth).json
     assert current["restore_check"]["restoring_off"] is True and current["restore_check"]["off_until"]
-    assert client.post("/api/sessions/restore-check/reset").status_code == 401
-    reset = client.post("/api/sessions/restore-check/reset", headers=auth)
+    assert client.post("/api/sessions/restore-check/reset", json={}).status_code == 401
+    reset = client.post("/api/sessions/restore-check/reset", json={}, headers=auth)
     assert reset.status_code == 200 and reset.json["restoring_off"] is False
     assert client.get("/api/sessions/current", headers=auth).json["restore_check"]["restoring_off"] is False
     assert switch.acquire(B).cache == RESTORED

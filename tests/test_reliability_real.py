@@ -142,7 +142,7 @@ def raw_chat(stack, session: str) -> socket.socket:
     body = json.dumps({"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2,
                        "stream": True}).encode()
     sock = socket.create_connection(("127.0.0.1", stack.proxy.port), timeout=10)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  + f"X-Session-Id: {session}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
     return sock
 

@@ -121,7 +121,7 @@ def test_delete_removes_files_and_unknown_is_404(stack, client):
 
 def test_clear_resets_to_default(stack, client):
     ask(client, SYSTEM_B, "Summarise rule 2.", "conv-b")
-    reply = requests.post(stack.url + "/api/sessions/clear", timeout=30)
+    reply = requests.post(stack.url + "/api/sessions/clear", json={}, timeout=30)
     assert reply.status_code == 200 and reply.json()["session_id"] == "default"
     assert requests.get(stack.url + "/api/sessions/current", timeout=10).json()["session_id"] == "default"
     slot = requests.get(stack.llama.url + "/slots", timeout=10).json()[0]

@@ -143,7 +143,7 @@ def test_restore_that_llama_server_does_not_honour_is_detected(stack):
     assert _saved(stack, "honest").get("restore_not_honoured_at")
     status = requests.get(stack.url + "/api/sessions/current", timeout=10).json()["restore_check"]
     assert status["restoring_off"] and status["off_until"]
-    reset = requests.post(stack.url + "/api/sessions/restore-check/reset", timeout=10)
+    reset = requests.post(stack.url + "/api/sessions/restore-check/reset", json={}, timeout=10)
     assert reset.status_code == 200 and not reset.json()["restoring_off"]
     reply = post_chat(stack, two, {"X-Session-Id": "swapped"})
     assert reply.headers["X-KVProxy-Cache"] == "restored"

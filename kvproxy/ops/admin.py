@@ -138,7 +138,7 @@ def require_token() -> None:
     sent = request.headers.get("Authorization", "")
     if hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
         return
-    if route.family == "admin":
+    if route.family == "admin" or request.method in ("GET", "HEAD"):
         raise ClientError("missing or wrong admin token: send 'Authorization: Bearer <token>'", 401)
     raise ClientError(f"{request.method} {request.path} changes llama-server for every client: "
                       "send 'Authorization: Bearer <admin token>'", 401)

@@ -42,6 +42,7 @@ class AdminClient:
     def call(self, method: str, path: str, **params: Any) -> requests.Response:
         try:
             response = self.http.request(method, self.url + path, params=params or None,
+                                         json={} if method == "POST" else None,
                                          timeout=(min(self.timeout, 5), self.timeout))
         except requests.RequestException as exc:
             raise CliError(UNREACHABLE, f"cannot reach kvproxy at {self.url}: "

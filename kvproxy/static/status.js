@@ -61,7 +61,12 @@ function showMessage(text, isError) {
 // -- talking to kvproxy --------------------------------------------------------
 async function api(method, path) {
   const headers = state.token ? { Authorization: `Bearer ${state.token}` } : {};
-  const response = await fetch(path, { method, headers, cache: "no-store", credentials: "omit" });
+  const options = { method, headers, cache: "no-store", credentials: "omit" };
+  if (method === "POST") {  // kvproxy takes admin POSTs as JSON only
+    headers["Content-Type"] = "application/json";
+    options.body = "{}";
+  }
+  const response = await fetch(path, options);
   if (response.status === 401) {
     forgetToken();
     throw new NeedToken("the admin token is missing or wrong");

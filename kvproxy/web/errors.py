@@ -12,7 +12,7 @@ from flask_smorest import abort
 from werkzeug.exceptions import HTTPException
 
 from kvproxy import routes
-from kvproxy.errors import InternalError, KvproxyError
+from kvproxy.errors import InternalError, KvproxyError, ReceiveTimeout, RequestTimedOut
 from kvproxy.web import anthropic, ollama, openai
 from kvproxy.web.common import free_held_slot
 
@@ -23,6 +23,9 @@ RENDERERS = {routes.OPENAI: openai.render_error, routes.ANTHROPIC: anthropic.ren
 def answer(exc: Exception, api):
     """The error page for ``exc``; a page replaces the reply that would have freed the slot."""
     free_held_slot()
+    # werkzeug reports a failed body read as ClientDisconnected, raised while handling it
+    if isinstance(exc, ReceiveTimeout) or isinstance(exc.__context__, ReceiveTimeout):
+        exc = RequestTimedOut()
     if not isinstance(exc, (HTTPException, KvproxyError)):
         current_app.log_exception((type(exc), exc, exc.__traceback__))
     if not isinstance(exc, KvproxyError) and getattr(exc, "code", 500) in (500, None):
