@@ -1,8 +1,9 @@
 """HTTP client for llama-server: slot actions, model facts and chat calls.
 
 Contract: llama-server's own 4xx/5xx answers raise ``UpstreamError`` with its
-message; failures to reach it raise ``UpstreamUnavailable``. Nothing here
-knows about sessions, locks or client wire formats.
+message; failures to reach it raise ``UpstreamUnavailable`` (503 with Retry-After
+when it cannot be connected to: stopped, or restarting). Nothing here knows
+about sessions, locks or client wire formats.
 """
 from __future__ import annotations
 
@@ -40,10 +41,18 @@ _CLIENT_FAULTS = re.compile(r"Failed to parse|json\.exception\.(?:type_error|par
                             r"|(?:image|audio|video) input is not supported")
 
 
+# Seconds a client is told to wait when llama-server is down or loading its model
+# (``make run`` starts it again after a crash).
+RETRY_AFTER_DOWN = 5
+
+
 def upstream_error(status: int, message: str) -> "UpstreamError":
     if status == 500 and _CLIENT_FAULTS.search(message):
         status = 400
-    return UpstreamError(status, message)
+    error = UpstreamError(status, message)
+    if status == 503:  # loading the model: worth a retry
+        error.retry_after = RETRY_AFTER_DOWN
+    return error
 
 
 # -- closing a whole answer's request when its client leaves -----------------------------
@@ -152,9 +161,15 @@ class LlamaClient:
 
     # -- the boundary: requests' exceptions as kvproxy's ---------------------
     def unreachable(self):
-        """Failures to send a request, or to get its answer's head, as ``UpstreamUnavailable``."""
-        return map_exceptions({requests.RequestException: lambda exc: UpstreamUnavailable(
-            f"llama-server at {self.base_url} is not reachable: {exc.__class__.__name__}")})
+        """Failures to send a request, or to get its answer's head, as ``UpstreamUnavailable``:
+        a connection that fails or breaks (llama-server stopped or restarting) is 503 with
+        Retry-After, a read that times out 502."""
+        return map_exceptions({
+            requests.ConnectionError: lambda exc: UpstreamUnavailable(
+                f"llama-server at {self.base_url} is not reachable: {exc.__class__.__name__}",
+                503, retry_after=RETRY_AFTER_DOWN),
+            requests.RequestException: lambda exc: UpstreamUnavailable(
+                f"llama-server at {self.base_url} is not reachable: {exc.__class__.__name__}")})
 
     def _stopped(self, exc: BaseException) -> UpstreamUnavailable:
         return UpstreamUnavailable(
