@@ -18,9 +18,9 @@ def llama_busy(stack) -> bool:
     return any(slot.get("is_processing") for slot in slots)
 
 
-def short_chat(stack, session: str) -> float:
+def short_chat(stack, session: str, timeout: float = 120) -> float:
     started = time.monotonic()
-    reply = requests.post(stack.url + "/v1/chat/completions", timeout=120,
+    reply = requests.post(stack.url + "/v1/chat/completions", timeout=timeout,
                           headers={"X-Session-Id": session},
                           json={"messages": [{"role": "user", "content": "Say hi."}],
                                 "max_tokens": 4})
@@ -39,20 +39,18 @@ def test_a_whole_answer_whose_client_left_frees_the_slot(stack):
     deadline = time.monotonic() + 30
     while not llama_busy(stack):     # the long answer is being generated
         assert time.monotonic() < deadline, "the long answer never started"
-        time.sleep(0.1)
+        time.sleep(0.5)
     time.sleep(2)
     sock.close()
+    # No polling of llama-server from here: each answer it sends wakes its HTTP threads, and
+    # a request's closed connection is only noticed after a second without any answer.
     left = time.monotonic()
-    deadline = left + 10
-    while llama_busy(stack):
-        assert time.monotonic() < deadline, "llama-server kept generating for a client that left"
-        time.sleep(0.1)
-    stopped = time.monotonic() - left
-    took = short_chat(stack, "next")
+    took = short_chat(stack, "next", timeout=60)
     freed = time.monotonic() - left
-    print(f"llama-server stopped {stopped:.2f} s after the client left; the next chat "
-          f"({took:.2f} s) was answered {freed:.2f} s after it")
-    assert freed < 8, f"the next chat waited {freed:.1f} s for the slot"
+    print(f"the next chat ({took:.2f} s) was answered {freed:.2f} s after the client left")
+    # On an idle machine about 2 s; the long answer alone would take minutes.
+    assert freed < 20, f"the next chat waited {freed:.1f} s for the slot"
+    assert "cancel task" in (stack.log_dir / "llama-server.log").read_text(errors="replace")
     assert "client of session leaver left before its answer was ready" in stack.proxy_log()
 
 
