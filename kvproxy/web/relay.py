@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
-from kvproxy.errors import ClientError, ClientGone, KvproxyError, ShuttingDown  # noqa: F401
+from kvproxy.errors import ClientError, ClientGone, KvproxyError
+from kvproxy.errors import ShuttingDown  # imported from here too
 from kvproxy.sessions import identity
 from kvproxy.config import Settings
 from kvproxy.upstream.llama import LlamaClient, sse_events
