@@ -176,6 +176,15 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_body_mb", "64", _number(0, 1e6, above_low=True),
             "Largest request body in MiB (long prompts and base64 images fit); a larger one is "
             "answered 413 in the client's API format before it is read."),
+    Setting("max_messages", "4096", _number(1, 1e9, whole=True),
+            "Most messages one chat request may hold; a longer one is refused with 400 in the "
+            "client's API format before it waits for the slot (llama-server would spend minutes "
+            "rendering the template of tens of thousands of messages while holding the slot)."),
+    Setting("max_chars_per_token", "32", _number(1, 1e6, above_low=True),
+            "Generous bound on characters per token: a request whose text has more than the "
+            "slot's context (n_ctx) times this many characters cannot fit and is refused with "
+            "400 in the client's API format before it waits for the slot, as llama-server "
+            "would refuse it after tokenizing."),
     Setting("model_name", "", str,
             "Name under which the model is listed; empty: the GGUF file name of llama-server's model."),
     Setting("model_tag", "latest", str,

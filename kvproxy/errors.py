@@ -127,12 +127,13 @@ class SlotBusy(SlotUnavailable):
 
 
 class ClientGone(SlotUnavailable):
-    """The client closed its connection while it waited for the slot: nothing to swap for."""
+    """The client closed its connection while it waited for the slot (nothing to swap for),
+    or while llama-server worked on its whole answer (the upstream request was closed)."""
 
     status = 499  # nginx's "client closed request"; nobody reads it
 
-    def __init__(self) -> None:
-        super().__init__("the client left while waiting for the slot", retry_after=1)
+    def __init__(self, message: str = "the client left while waiting for the slot") -> None:
+        super().__init__(message, retry_after=1)
 
 
 class ShuttingDown(KvproxyError):

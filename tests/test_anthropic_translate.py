@@ -516,8 +516,8 @@ def test_route_errors_have_anthropic_shape(upstream, app, sdk):
 def test_route_unreachable_and_busy_upstream(upstream, app, monkeypatch):
     client = app.test_client()
     unreachable = client.post("/v1/messages", json=request())  # no stub: connection refused
-    assert unreachable.status_code == 502
-    assert unreachable.get_json()["error"]["type"] == "api_error"
+    assert unreachable.status_code == 503 and unreachable.headers["Retry-After"] == "5"
+    assert unreachable.get_json()["error"]["type"] == "overloaded_error"
 
     def busy(call):
         raise SlotBusy(5, retry_after=3)

@@ -1,4 +1,4 @@
-"""kvproxy in front of a llama-server that is not there: clear 502 and 503 answers."""
+"""kvproxy in front of a llama-server that is not there: clear 503 answers with Retry-After."""
 import pytest
 
 from kvproxy import create_app
@@ -11,10 +11,11 @@ def app(tmp_path):
                        "connect_timeout": 1})
 
 
-def test_unreachable_llama_server_is_502_with_a_hint(app):
+def test_unreachable_llama_server_is_503_with_retry_after_and_a_hint(app):
+    """Stopped or restarting (make run starts it again): the client may retry."""
     reply = app.test_client().post("/v1/chat/completions",
                                    json={"messages": [{"role": "user", "content": "hi"}]})
-    assert reply.status_code == 502
+    assert reply.status_code == 503 and int(reply.headers["Retry-After"]) >= 1
     assert "not reachable" in reply.json["error"]["message"]
     assert "KVPROXY_UPSTREAM" in reply.json["error"]["message"]
 
@@ -22,3 +23,10 @@ def test_unreachable_llama_server_is_502_with_a_hint(app):
 def test_health_is_503_when_llama_server_is_down(app):
     reply = app.test_client().get("/health")
     assert reply.status_code == 503 and reply.json["status"] == "unavailable"
+
+
+def test_llama_server_loading_its_model_is_503_with_retry_after():
+    """llama-server answers 503 while it loads its model (after make run restarted it)."""
+    from kvproxy.upstream.llama import upstream_error
+    error = upstream_error(503, "Loading model")
+    assert error.status == 503 and error.headers == {"Retry-After": "5"}

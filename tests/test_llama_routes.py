@@ -165,7 +165,7 @@ def test_unreachable_llama_server_answers_in_openai_shape(tmp_path):
     app = create_app({"slot_dir": str(tmp_path), "upstream": "http://127.0.0.1:9"})
     for reply in (app.test_client().post("/tokenize", json={"content": "x"}),
                   app.test_client().post("/v1/rerank", json={"query": "q", "documents": ["d"]})):
-        assert reply.status_code == 502
+        assert reply.status_code == 503 and reply.headers["Retry-After"] == "5"
         assert {"message", "type", "param", "code"} <= set(reply.get_json()["error"])
 
 

@@ -449,11 +449,12 @@ def test_errors_have_ollama_shape_and_status(client, app, upstream):
     assert "busy" in response.json["error"]
 
 
-def test_llama_server_unreachable_is_502(tmp_path):
+def test_llama_server_unreachable_is_503(tmp_path):
     with responses.RequestsMock():  # nothing registered: every request fails to connect
         client = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM}).test_client()
         response = client.get("/api/tags")
-    assert response.status_code == 502 and "llama-server" in response.json["error"]
+    assert response.status_code == 503 and "llama-server" in response.json["error"]
+    assert response.headers["Retry-After"] == "5"
 
 
 def test_failure_after_the_stream_began_is_one_error_line(client, upstream):

@@ -67,3 +67,46 @@ def test_make_run_refuses_a_bad_slot_count_before_starting_anything(tmp_path):
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.startswith("kvproxy: LLAMA_SLOTS='0' is invalid") and \
         result.stderr.count("\n") == 1
+
+
+# -- stopping waits for every process of the group ----------------------------------
+GROUP_SCRIPT = r"""
+import os, signal, subprocess, sys, time
+from kvproxy.launch.processes import become_subreaper, group_alive, stop_process
+become_subreaper()
+marker = sys.argv[1]
+# The leader starts a member of its group that, once the leader is gone, takes a while to
+# "save" and exit, as a gunicorn worker whose master was killed does.
+member = (
+    "import os, signal, sys, time\n"
+    "signal.signal(signal.SIGTERM, lambda *_: None)  # SIGTERM is a graceful stop\n"
+    "parent = os.getppid()\n"
+    "while os.getppid() == parent: time.sleep(0.05)\n"
+    "time.sleep(1.5)\n"
+    "open(sys.argv[1], 'w').write('saved')\n")
+leader = subprocess.Popen([sys.executable, "-c",
+                           "import subprocess, sys, time\n"
+                           "subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]])\n"
+                           "time.sleep(60)\n", member, marker], start_new_session=True)
+time.sleep(1.0)
+os.kill(leader.pid, signal.SIGKILL)
+leader.wait(5)
+started = time.monotonic()
+stop_process(leader, 20)
+print(os.path.exists(marker), round(time.monotonic() - started, 1), group_alive(leader.pid))
+"""
+
+
+def test_stopping_waits_until_every_process_of_the_group_has_ended(tmp_path):
+    """make run stops llama-server only after this returns for kvproxy: a worker whose
+    master was killed must have finished its exit save by then."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    marker = tmp_path / "saved"
+    result = subprocess.run([sys.executable, "-c", GROUP_SCRIPT, str(marker)], timeout=60,
+                            cwd=Path(__file__).resolve().parent.parent, capture_output=True,
+                            text=True)
+    saved, waited, alive = result.stdout.split()
+    assert saved == "True", f"stop_process returned before the member's save ({result.stderr})"
+    assert alive == "False" and float(waited) < 10

@@ -58,7 +58,7 @@ def test_a_stream_that_cannot_start_frees_the_slot(client, fake):
     fake.mock.replace(responses.POST, CHAT, body=requests.ConnectionError("refused"))
     for _ in range(2):  # a slot still held would make the second one wait and answer 503
         reply = chat(client, "s", stream=True)
-        assert reply.status_code == 502, reply.get_data(as_text=True)
+        assert reply.status_code == 503, reply.get_data(as_text=True)
 
 
 def test_a_whole_answer_that_is_not_an_object_frees_the_slot(client, fake):

@@ -9,6 +9,7 @@ production.
 """
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 import signal
@@ -81,23 +82,92 @@ def wait_until_healthy(url: str, timeout: float, process: subprocess.Popen | Non
     raise TimeoutError(f"{url} did not answer within {timeout:.0f} s")
 
 
-def stop_process(process: subprocess.Popen | None, timeout: float) -> None:
-    """SIGTERM, then SIGKILL to the whole process group if it does not end in time."""
-    if process is None or process.poll() is not None:
-        return
-    process.send_signal(signal.SIGTERM)
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _prctl(option: int, value: int) -> bool:
+    """Linux's prctl; False where it is not available."""
     try:
-        process.wait(timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def become_subreaper() -> bool:
+    """Orphaned descendants (a gunicorn worker whose master died) become this process's
+    children, so it can wait for them and reap them."""
+    return _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the process that started it dies."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of the group ``pgid`` still runs; members that are this process's
+    children (see ``become_subreaper``) and have exited are reaped first. Call it only once the
+    group's leader was reaped (its ``Popen`` waited for), so no ``Popen`` loses its exit code."""
+    while True:
+        try:
+            pid, _status = os.waitpid(-pgid, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            break
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_process(process: subprocess.Popen | None, timeout: float) -> None:
+    """SIGTERM, wait until every process of its group has ended (a gunicorn worker left
+    behind by its master finishes its exit save), SIGKILL the group if time runs out.
+
+    The child is its group's leader (``start_process``); once it is gone, SIGTERM goes to
+    what is left of its group."""
+    if process is None:
+        return
+    deadline = time.monotonic() + timeout
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    elif group_alive(process.pid):
+        _signal_group(process.pid, signal.SIGTERM)
+    while process.poll() is not None and group_alive(process.pid) \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if process.poll() is None or group_alive(process.pid):
+        _signal_group(process.pid, signal.SIGKILL)
         process.wait(5)
+        deadline = time.monotonic() + 5
+        while group_alive(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
 
 def start_process(command: list[str], log_path: str | None, health_url: str, timeout: float,
-                  **kwargs) -> subprocess.Popen:
+                  die_with_parent: bool = False, **kwargs) -> subprocess.Popen:
     """Start a child in its own process group (output appended to ``log_path``) and wait
-    until ``health_url`` answers; a child that does not come up is stopped."""
+    until ``health_url`` answers; a child that does not come up is stopped. With
+    ``die_with_parent`` the child gets SIGTERM when this process dies (Linux)."""
     log = open(log_path, "ab") if log_path else None
+    if die_with_parent:
+        kwargs["preexec_fn"] = _die_with_parent
     try:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT if log else None,
                                    start_new_session=True, **kwargs)
@@ -125,7 +195,7 @@ class LlamaServer:
                  ctx_size: int = 8192, cache_ram_mib: int | None = 16384,
                  extra_args: list[str] | None = None, log_path: str | None = None,
                  slots: int = 1, swa_full: bool | None = None, models_dir: str | None = None,
-                 models_max: int | None = None):
+                 models_max: int | None = None, die_with_parent: bool = False):
         if slots < 1:
             raise ValueError("slots must be at least 1")
         self.slot_dir = slot_dir
@@ -140,6 +210,7 @@ class LlamaServer:
         # A router of several models (``--models-dir``) instead of one model (``-m``).
         self.models_dir = models_dir
         self.models_max = models_max
+        self.die_with_parent = die_with_parent
         self.process: subprocess.Popen | None = None
 
     @property
@@ -164,7 +235,8 @@ class LlamaServer:
     def start(self, timeout: float = 120) -> "LlamaServer":
         os.makedirs(self.slot_dir, exist_ok=True)
         self.process = start_process(self.command(), self.log_path or os.devnull,
-                                     self.url + "/health", timeout)
+                                     self.url + "/health", timeout,
+                                     die_with_parent=self.die_with_parent)
         return self
 
     def stop(self, timeout: float = 15) -> None:
@@ -186,13 +258,14 @@ class ProxyServer:
 
     def __init__(self, upstream: str, slot_dir: str, port: int | None = None,
                  log_path: str | None = None, env: dict[str, str] | None = None,
-                 wsgi_app: str = "wsgi:app"):
+                 wsgi_app: str = "wsgi:app", die_with_parent: bool = False):
         self.upstream = upstream
         self.slot_dir = slot_dir
         self.port = port or free_port()
         self.log_path = log_path
         self.env = dict(env or {})
         self.wsgi_app = wsgi_app
+        self.die_with_parent = die_with_parent
         self.process: subprocess.Popen | None = None
 
     @property
@@ -204,11 +277,12 @@ class ProxyServer:
                "KVPROXY_PORT": str(self.port), **self.env}
         command = [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", self.wsgi_app]
         self.process = start_process(command, self.log_path, self.url + "/health", timeout,
-                                     cwd=REPO_ROOT, env=env)
+                                     die_with_parent=self.die_with_parent, cwd=REPO_ROOT, env=env)
         return self
 
     def stop(self, timeout: float = 40) -> None:
-        """Graceful: gunicorn saves the session the slot holds on the way out."""
+        """Graceful: gunicorn saves the session the slot holds on the way out; returns once
+        every process of its group has ended (a worker whose master died included)."""
         stop_process(self.process, timeout)
 
     def restart(self, timeout: float = 60) -> "ProxyServer":

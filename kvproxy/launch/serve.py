@@ -7,6 +7,15 @@ context. With several slots llama-server's own RAM prompt cache is off
 in slot files, and that cache has open bugs that put one conversation into
 another's slot. ``LLAMA_CACHE_RAM`` (MiB) overrides it. Waits until both
 answer, prints where to point clients, and stops both on Ctrl-C or SIGTERM.
+
+It supervises them as a service manager would. llama-server is stopped only once
+no kvproxy process is left that may still save through it: kvproxy first, then
+every process of its group (a gunicorn worker whose master died finishes its
+exit save; this process is their subreaper, so it can wait for them). When
+llama-server dies on its own, kvproxy keeps answering (503 with Retry-After)
+and llama-server is started again with the same flags; the sessions come back
+from their files. Both children get SIGTERM if this process dies; every wait
+is bounded.
 """
 from __future__ import annotations
 
@@ -17,10 +26,24 @@ import time
 from pathlib import Path
 
 from kvproxy.config import ConfigError, check_slot_dir, load_settings
-from kvproxy.launch.processes import LlamaServer, ProxyServer
+from kvproxy.launch.processes import LlamaServer, ProxyServer, become_subreaper
 
 
 SINGLE_SLOT_CACHE_RAM = 16384  # MiB, as before with one slot
+RESTART_DELAYS = (0, 1, 2, 5, 10)  # seconds before each try to start llama-server again
+POLL = 0.5
+
+
+class Stopping(Exception):
+    """Ctrl-C or SIGTERM while llama-server was being started again."""
+
+
+def proxy_stop_bound(environ) -> float:
+    """Seconds kvproxy may take to stop: gunicorn's graceful timeout, then the exit saves."""
+    try:
+        return float(environ.get("KVPROXY_GRACEFUL_TIMEOUT") or 120) + 30
+    except ValueError:
+        return 150.0
 
 
 def llama_layout(environ) -> tuple[int, int, int]:
@@ -59,21 +82,54 @@ def main() -> int:
 
     print(f"kvproxy: starting llama-server on port {llama_port} with {slots} slot(s) of "
           f"{ctx_size // slots} tokens (slot files in {slot_dir})", flush=True)
+    become_subreaper()
     llama = LlamaServer(slot_dir, port=llama_port, log_path=str(log_dir / "llama-server.log"),
-                        slots=slots, ctx_size=ctx_size, cache_ram_mib=cache_ram)
+                        slots=slots, ctx_size=ctx_size, cache_ram_mib=cache_ram,
+                        die_with_parent=True)
     try:
         llama.start()
     except (OSError, RuntimeError, TimeoutError) as exc:
         print(f"kvproxy: llama-server did not start ({exc}); see {log_dir}/llama-server.log",
               file=sys.stderr, flush=True)
         return 1
-    proxy = ProxyServer(llama.url, slot_dir, port=port)
+    proxy = ProxyServer(llama.url, slot_dir, port=port, die_with_parent=True)
 
     stopping = False
+    restarting = False
 
     def stop(*_args) -> None:
         nonlocal stopping
         stopping = True
+        if restarting:
+            raise Stopping()
+
+    def restart_llama() -> bool:
+        """Start llama-server again with the same flags; False when it will not come up."""
+        nonlocal restarting
+        print(f"kvproxy: llama-server exited (code {llama.process.returncode}); starting it "
+              "again with the same flags (kvproxy answers 503 with Retry-After meanwhile)",
+              flush=True)
+        for attempt, delay in enumerate(RESTART_DELAYS, 1):
+            deadline = time.monotonic() + delay
+            while not stopping and time.monotonic() < deadline:
+                time.sleep(min(POLL, delay))
+            if stopping:
+                return True
+            restarting = True
+            try:
+                llama.start()
+                print("kvproxy: llama-server is back; sessions restore from their files",
+                      flush=True)
+                return True
+            except (OSError, RuntimeError, TimeoutError) as exc:
+                print(f"kvproxy: llama-server did not start again (try {attempt} of "
+                      f"{len(RESTART_DELAYS)}: {exc}); see {log_dir}/llama-server.log",
+                      file=sys.stderr, flush=True)
+            except Stopping:
+                return True
+            finally:
+                restarting = False
+        return False
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
@@ -90,11 +146,17 @@ def main() -> int:
               f"  Anthropic clients:       ANTHROPIC_BASE_URL=http://127.0.0.1:{port}\n"
               f"  Sessions:                curl http://127.0.0.1:{port}/api/sessions\n"
               f"  Logs: {log_dir}/llama-server.log. Ctrl-C stops both.", flush=True)
-        while not stopping and proxy.process.poll() is None and llama.process.poll() is None:
-            time.sleep(0.5)
+        while not stopping:
+            if proxy.process.poll() is not None:
+                print(f"kvproxy: kvproxy exited (code {proxy.process.returncode}); waiting for "
+                      "its remaining processes to finish their exit saves", flush=True)
+                break
+            if llama.process.poll() is not None and not restart_llama():
+                break
+            time.sleep(POLL)
     finally:
         print("kvproxy: stopping", flush=True)
-        proxy.stop()
+        proxy.stop(proxy_stop_bound(os.environ))  # every kvproxy process has ended (or is killed)
         llama.stop()
     return 0 if stopping else 1
 

@@ -1,18 +1,24 @@
 """HTTP client for llama-server: slot actions, model facts and chat calls.
 
 Contract: llama-server's own 4xx/5xx answers raise ``UpstreamError`` with its
-message; failures to reach it raise ``UpstreamUnavailable``. Nothing here
-knows about sessions, locks or client wire formats.
+message; failures to reach it raise ``UpstreamUnavailable`` (503 with Retry-After
+when it cannot be connected to: stopped, or restarting). Nothing here knows
+about sessions, locks or client wire formats.
 """
 from __future__ import annotations
 
 import json
 import re
-from typing import Any, Iterator
+import socket
+import threading
+from typing import Any, Callable, Iterator
 
 import requests
+from requests.adapters import HTTPAdapter
+from urllib3.connection import HTTPConnection, HTTPSConnection
+from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
-from kvproxy.errors import UpstreamError, UpstreamUnavailable, map_exceptions
+from kvproxy.errors import ClientGone, UpstreamError, UpstreamUnavailable, map_exceptions
 
 __all__ = ["LlamaClient", "UpstreamError", "UpstreamUnavailable", "sse_events", "upstream_error"]
 
@@ -35,10 +41,80 @@ _CLIENT_FAULTS = re.compile(r"Failed to parse|json\.exception\.(?:type_error|par
                             r"|(?:image|audio|video) input is not supported")
 
 
+# Seconds a client is told to wait when llama-server is down or loading its model
+# (``make run`` starts it again after a crash).
+RETRY_AFTER_DOWN = 5
+
+
 def upstream_error(status: int, message: str) -> "UpstreamError":
     if status == 500 and _CLIENT_FAULTS.search(message):
         status = 400
-    return UpstreamError(status, message)
+    error = UpstreamError(status, message)
+    if status == 503:  # loading the model: worth a retry
+        error.retry_after = RETRY_AFTER_DOWN
+    return error
+
+
+# -- closing a whole answer's request when its client leaves -----------------------------
+_calling = threading.local()  # the watch of the call this thread is making, if any
+
+
+class _Watch:
+    """One call another thread may cut: the connection it runs on, and whether it was cut."""
+
+    def __init__(self) -> None:
+        self.connection: HTTPConnection | None = None
+        self.cut = False
+        self.finished = False
+        self.lock = threading.Lock()
+
+    def cut_now(self) -> bool:
+        """Shut the call's connection down: llama-server sees it close and stops the task.
+        False while there is nothing to cut yet (still connecting)."""
+        with self.lock:
+            if self.finished:
+                return True
+            sock = getattr(self.connection, "sock", None)
+            if sock is None:
+                return False
+            self.cut = True
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            return True
+
+
+class _Noted:
+    """A urllib3 connection that tells the watch of the calling thread it carries the call."""
+
+    def request(self, *args: Any, **kwargs: Any) -> Any:
+        watch = getattr(_calling, "watch", None)
+        if watch is not None:
+            watch.connection = self
+        return super().request(*args, **kwargs)
+
+
+class _NotedHTTPConnection(_Noted, HTTPConnection):
+    pass
+
+
+class _NotedHTTPSConnection(_Noted, HTTPSConnection):
+    pass
+
+
+class _HTTPPool(HTTPConnectionPool):
+    ConnectionCls = _NotedHTTPConnection
+
+
+class _HTTPSPool(HTTPSConnectionPool):
+    ConnectionCls = _NotedHTTPSConnection
+
+
+class _Adapter(HTTPAdapter):
+    def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
+        super().init_poolmanager(*args, **kwargs)
+        self.poolmanager.pool_classes_by_scheme = {"http": _HTTPPool, "https": _HTTPSPool}
 
 
 class LlamaClient:
@@ -60,6 +136,8 @@ class LlamaClient:
         # llama-server is a configured local hop: looking up proxy variables on every
         # call cost about half a millisecond, and an internet proxy must not carry it.
         self.http.trust_env = False
+        for prefix in ("http://", "https://"):
+            self.http.mount(prefix, _Adapter())
         self._witness: tuple[Any, Any] | None = None
 
     def _request(self, method: str, path: str, *, read_timeout: float | None = None,
@@ -89,9 +167,15 @@ class LlamaClient:
 
     # -- the boundary: requests' exceptions as kvproxy's ---------------------
     def unreachable(self):
-        """Failures to send a request, or to get its answer's head, as ``UpstreamUnavailable``."""
-        return map_exceptions({requests.RequestException: lambda exc: UpstreamUnavailable(
-            f"llama-server at {self.base_url} is not reachable: {exc.__class__.__name__}")})
+        """Failures to send a request, or to get its answer's head, as ``UpstreamUnavailable``:
+        a connection that fails or breaks (llama-server stopped or restarting) is 503 with
+        Retry-After, a read that times out 502."""
+        return map_exceptions({
+            requests.ConnectionError: lambda exc: UpstreamUnavailable(
+                f"llama-server at {self.base_url} is not reachable: {exc.__class__.__name__}",
+                503, retry_after=RETRY_AFTER_DOWN),
+            requests.RequestException: lambda exc: UpstreamUnavailable(
+                f"llama-server at {self.base_url} is not reachable: {exc.__class__.__name__}")})
 
     def _stopped(self, exc: BaseException) -> UpstreamUnavailable:
         return UpstreamUnavailable(
@@ -189,8 +273,35 @@ class LlamaClient:
 
     # -- generation --------------------------------------------------------
     # Callers hold the slot: these calls count as slot calls for restart detection.
-    def post_json(self, path: str, body: dict) -> dict:
-        return self._json("POST", path, json=body, slot_call=True)
+    def post_json(self, path: str, body: dict,
+                  still_wanted: Callable[[], bool] | None = None, every: float = 0.25) -> dict:
+        """A whole answer. With ``still_wanted``, a watcher asks it every ``every`` seconds
+        while llama-server works, and once it says no closes the request's connection:
+        llama-server stops the task, and this raises ``ClientGone``."""
+        if still_wanted is None:
+            return self._json("POST", path, json=body, slot_call=True)
+        watch = _Watch()
+        done = threading.Event()
+
+        def watch_client() -> None:
+            while not done.wait(every):
+                if not still_wanted() and watch.cut_now():
+                    return
+
+        _calling.watch = watch
+        threading.Thread(target=watch_client, name="kvproxy-client-watch", daemon=True).start()
+        try:
+            return self._json("POST", path, json=body, slot_call=True)
+        except (UpstreamUnavailable, UpstreamError) as exc:
+            if watch.cut:
+                raise ClientGone("the client left before its answer was ready: "
+                                 "llama-server's task was stopped") from exc
+            raise
+        finally:
+            _calling.watch = None
+            with watch.lock:
+                watch.finished = True
+            done.set()
 
     def post_stream(self, path: str, body: dict) -> requests.Response:
         """Open a streaming POST; the caller reads it with ``sse_events`` and closes it."""

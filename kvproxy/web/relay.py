@@ -8,11 +8,13 @@ exchange and tells the switch what the answer's timings showed.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
+from kvproxy.errors import ClientError, ClientGone, KvproxyError
 from kvproxy.errors import ShuttingDown  # imported from here too
 from kvproxy.sessions import identity
 from kvproxy.config import Settings
@@ -24,6 +26,8 @@ from kvproxy.slots.unpinned import protect_other_slots
 from kvproxy.translate import usage
 
 MODEL_FACTS_TTL = 10.0
+
+log = logging.getLogger("kvproxy.relay")
 
 
 _stop_at: list[float] = []  # monotonic deadline for running streams, set once at shutdown
@@ -194,6 +198,23 @@ class Prompt:
         return whole[:n] or None
 
 
+def text_chars(messages: list) -> int:
+    """Characters of the text a request's messages carry (string contents and text parts;
+    images, audio and tool definitions are not counted, so the count never says more than
+    the prompt holds)."""
+    total = 0
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            for part in content:
+                text = part.get("text") if isinstance(part, dict) else None
+                if isinstance(text, str):
+                    total += len(text)
+    return total
+
+
 def pinned(body: Any, slot: int) -> Any:
     """A JSON object body with ``id_slot`` set to the leased slot (other bodies as they are)."""
     return {**body, "id_slot": slot} if isinstance(body, dict) else body
@@ -229,7 +250,38 @@ class Relay:
         body = {**call.body, "stream": stream, "cache_prompt": True, "id_slot": lease.slot}
         return {**body, "model": client.model} if client.model else body
 
+    def _slot_context(self, model: object = None) -> int | None:
+        """Tokens of context one slot has (``/props``, cached briefly); None when unknown."""
+        try:
+            props = self.model_facts(model)["props"]
+        except (KvproxyError, KeyError, TypeError):
+            return None  # llama-server down: the swap answers for it
+        settings = props.get("default_generation_settings") if isinstance(props, dict) else None
+        n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
+        return n_ctx if isinstance(n_ctx, int) and n_ctx > 0 else None
+
+    def check_fits(self, call: ChatCall) -> None:
+        """Refuse, before the slot is taken, work that cannot fit: more messages than any real
+        conversation holds (llama-server would render their template for minutes with the slot
+        held), or more text than the slot's context could take at a generous bound of
+        characters per token (llama-server would refuse it after tokenizing)."""
+        messages = call.messages
+        if len(messages) > self.settings.max_messages:
+            raise ClientError(f"the request has {len(messages)} messages; kvproxy takes at most "
+                              f"{self.settings.max_messages} (KVPROXY_MAX_MESSAGES)")
+        chars = text_chars(messages)
+        bound = self.settings.max_chars_per_token
+        if chars <= bound * 256:  # too short to need the context size
+            return
+        n_ctx = self._slot_context(call.model or call.body.get("model"))
+        if n_ctx is not None and chars > n_ctx * bound:
+            raise ClientError(f"the request exceeds the available context size: {chars} "
+                              f"characters of text cannot fit the slot's {n_ctx} tokens "
+                              f"(more than {bound:g} characters a token, "
+                              "KVPROXY_MAX_CHARS_PER_TOKEN)")
+
     def _acquire(self, call: ChatCall, stream: bool) -> tuple[SlotSwitch, LlamaClient, Lease]:
+        self.check_fits(call)
         switch, client = self.models.route(call.model or call.body.get("model"))
         lease = switch.acquire(self.session_for(call, stream=stream),
                                still_wanted=call.still_wanted, prompt=Prompt(client, call))
@@ -255,11 +307,19 @@ class Relay:
             raise
 
     def complete(self, call: ChatCall) -> Answer:
-        """Take the slot for one non-streaming request; the caller must close the answer."""
+        """Take the slot for one non-streaming request; the caller must close the answer.
+        A client that leaves while llama-server works closes the upstream request
+        (``ClientGone``), which stops the task and frees the slot."""
         switch, client, lease = self._acquire(call, False)
         try:
-            result = client.post_json(call.path, self._upstream_body(call, False, lease, client))
+            result = client.post_json(call.path, self._upstream_body(call, False, lease, client),
+                                      still_wanted=call.still_wanted)
             return Answer(switch, lease, result, call.translated)
+        except ClientGone:
+            log.info("client of session %s left before its answer was ready: "
+                     "upstream request closed", lease.session.id)
+            switch.release(lease)
+            raise
         except BaseException:
             switch.release(lease)
             raise
