@@ -12,7 +12,7 @@ BUILD_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 CLAUDE_CODE_VERSION := 2.1.332
 NPM_DIR := var/npm
 
-.PHONY: setup swa-model run test test-unit test-deploy nginx mutate bench bench-concurrency bench-slot-overhead soak clean claude-cli
+.PHONY: setup swa-model run test test-unit test-deploy nginx mutate bench bench-concurrency bench-slot-overhead bench-kill soak clean claude-cli
 setup: $(VENV)/.requirements $(VENV)/.llama-server $(VENV)/.model
 
 $(VENV)/bin/python:
@@ -130,6 +130,10 @@ bench-concurrency: setup
 # no-swap request path alone (about 2 minutes).
 bench-slot-overhead: setup
 	$(BIN)/python -m bench.slot_overhead
+
+# SIGKILL of llama-server, kvproxy or both after a turn settled, 20 rounds: every turn kept?
+bench-kill: setup
+	$(BIN)/python -m bench.kill --rounds $${KILL_ROUNDS:-20}
 
 # Minutes of load against the real llama-server; not part of `make test` (a short one is).
 soak: setup

@@ -49,7 +49,8 @@ def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
                           int(settings.min_free_gb * 1024**3),
                           max_waiters=settings.max_waiters,
                           restore_off_minutes=settings.restore_off_minutes,
-                          slots=settings.slots)
+                          slots=settings.slots, save_behind=settings.save_behind,
+                          save_behind_delay=settings.save_behind_delay)
     switch = make_switch(client, SessionStore(settings.slot_dir))
     models = ModelSwitches(client, switch, make_switch)
     app.extensions["kvproxy.switch"] = switch

@@ -156,6 +156,13 @@ SETTINGS: tuple[Setting, ...] = (
             "original design's shared sys-<hash> slot)."),
     Setting("base_snapshots", "true", _bool,
             "Start a new session from a saved snapshot of a system prompt seen before."),
+    Setting("save_behind", "true", _bool,
+            "Save a conversation's new turns in the background once its slot has been idle "
+            "KVPROXY_SAVE_BEHIND_DELAY seconds: a crash then loses nothing, and a swap pays "
+            "only the restore."),
+    Setting("save_behind_delay", "2", _number(0, 3600),
+            "Seconds a slot stays idle after an answer before its new turns are saved in the "
+            "background (a tool call that comes straight back pays nothing)."),
     Setting("side_request_pattern", r"^### Task:", _regex,
             "Regular expression: a non-streaming request whose only user message matches it is a side "
             "request (OpenWebUI titles, tags, follow-ups) and never overwrites a conversation's file."),

@@ -109,6 +109,15 @@ def count_tokens(stack: Stack, text: str) -> int:
     return len(reply.json()["tokens"])
 
 
+@pytest.fixture(autouse=True)
+def no_background_saves_in_unit_tests(request, monkeypatch):
+    """Unit tests check the exact order of slot actions, which a background save after each
+    answer would make depend on timing: they run without one (KVPROXY_SAVE_BEHIND), unless a
+    test turns it on itself. Real and deployment tests run kvproxy as shipped."""
+    if not any(request.node.get_closest_marker(m) for m in PROCESS_MARKERS):
+        monkeypatch.setenv("KVPROXY_SAVE_BEHIND", "false")
+
+
 @pytest.fixture
 def fake(tmp_path):
     """The llama-server stub (tests/fake_llama.py) over a temporary slot folder; a test that

@@ -100,7 +100,9 @@ def app(tmp_path_factory):
         fake = FakeLlama(mock, slot_dir)
         mock.remove(responses.POST, f"{UPSTREAM}/v1/chat/completions")
         install_llama(mock, fake)
-        yield create_app({"slot_dir": str(slot_dir), "upstream": UPSTREAM, "lock_timeout": 1})
+        # made before the per-test setting: no background saves, which hold the slot
+        yield create_app({"slot_dir": str(slot_dir), "upstream": UPSTREAM, "lock_timeout": 1,
+                          "save_behind": False})
 
 
 # -- generated input --------------------------------------------------------------------

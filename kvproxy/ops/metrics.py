@@ -55,6 +55,9 @@ TOKENS = Counter("kvproxy_prompt_tokens_total", "Prompt tokens reused from cache
 RESTORE_MISSES = Counter("kvproxy_restore_misses_total",
                          "Restores refused, failed or not honoured by llama-server", ["reason"],
                          registry=REGISTRY)
+SAVES_BEHIND = Counter("kvproxy_saves_behind_total",
+                       "Sessions saved in the background once their slot had settled",
+                       registry=REGISTRY)
 EVICTIONS = Counter("kvproxy_evictions_total",
                     "Slot files deleted to keep the slot folder within its bounds",
                     registry=REGISTRY)
@@ -91,10 +94,11 @@ def observe_eviction(n_bytes: int = 0) -> None:
 
 
 def slot_folder_usage(root: str | Path) -> tuple[int, int]:
-    """``(bytes, files)`` of the ``*.bin`` slot files in ``root``; files vanishing mid-scan are skipped."""
+    """``(bytes, files)`` of the ``*.bin`` slot files in ``root``; files vanishing mid-scan
+    are skipped, and so is the start-up check's probe (written and deleted at once)."""
     total = count = 0
     try:
-        paths = list(Path(root).glob("*.bin"))
+        paths = [p for p in Path(root).glob("*.bin") if not p.name.startswith("probe.")]
     except OSError:
         return 0, 0
     for path in paths:

@@ -208,7 +208,8 @@ def wants_base(facts: SwapFacts) -> bool:
 def plan_swap(facts: SwapFacts) -> list[Action]:
     """The actions that swap ``facts.slot`` to ``facts.session`` (not a hit).
 
-    Only a slot proven to hold its session (``OURS``) is saved first; anything
+    Only a slot proven to hold its session (``OURS``) with turns its file lacks
+    (``UNSAVED``) is saved first; one whose file has them already is not; anything
     else (emptied, foreign, unknown) is never saved over a file, and nothing is
     saved while restoring is off (no disk for files never restored). Then the
     slot is claimed and filled: each candidate file is restored or refused in
@@ -217,8 +218,8 @@ def plan_swap(facts: SwapFacts) -> list[Action]:
     """
     state, slot = facts.state, facts.slot
     actions: list[Action] = []
-    if state.keeps_file:
-        if facts.view == OURS and not facts.restoring_off:
+    if state.keeps_file and state.phase is not Phase.OURS:
+        if facts.view == OURS and not facts.restoring_off and worth_saving(state):
             actions.append(Save(slot, state))
         else:
             actions.append(KeepFile(slot, state, facts.view, facts.restoring_off))
@@ -234,6 +235,13 @@ def plan_swap(facts: SwapFacts) -> list[Action]:
         actions.append(MakeBase(slot, facts.session.system_hash, facts.session.model))
     actions.append(Record(slot, facts.session))
     return actions
+
+
+def worth_saving(state: SlotState) -> bool:
+    """Whether the slot holds turns of a persistent session that its file lacks: ``OURS``
+    means its file has them already (saved behind, or just restored), so a swap or a
+    background save has nothing to write."""
+    return state.phase is Phase.UNSAVED and state.keeps_file
 
 
 def needs_slot_size(facts: SwapFacts) -> bool:

@@ -27,6 +27,7 @@ from kvproxy.slots.plan import (BASE, EMPTY, FOREIGN, HIT, MISS, OURS, RESTORED,
                                 fingerprint, fingerprint_key, incoming_stems, judge_slot)
 from kvproxy.slots.pool import SlotPool
 from kvproxy.slots.restore_check import RestoreCheck, verify_restore
+from kvproxy.slots.save_behind import SaveBehind
 from kvproxy.slots.state import Phase, SlotState, SlotTable, emptied
 from kvproxy.storage import disk
 from kvproxy.storage.store import SessionStore, StorageError, now_iso
@@ -51,7 +52,8 @@ class SlotSwitch:
     def __init__(self, client: LlamaClient, store: SessionStore, slot_id: int = 0,
                  lock_timeout: float = 300, base_snapshots: bool = True,
                  restore_miss_limit: int = 2, max_disk_bytes: int = 0, min_free_bytes: int = 0,
-                 max_waiters: int = 32, restore_off_minutes: float = 60, slots: int = 1):
+                 max_waiters: int = 32, restore_off_minutes: float = 60, slots: int = 1,
+                 save_behind: bool = False, save_behind_delay: float = 2):
         self.client = client
         self.store = store
         store.legacy_slot = slot_id
@@ -71,6 +73,8 @@ class SlotSwitch:
         self._busy_since: dict[int, str] = {}
         # Per slot: when this process last wrote its used_at alone (see plan.after_answer).
         self._used_at_written: dict[int, float] = {}
+        # New turns saved in the background once a slot has settled (see save_behind).
+        self.saver = SaveBehind(self.save_settled, save_behind_delay) if save_behind else None
 
     # -- the slots ---------------------------------------------------------
     def slot_ids(self) -> list[int]:
@@ -191,6 +195,40 @@ class SlotSwitch:
                 metrics.SLOT_BUSY_SECONDS.labels(str(lease.slot)).inc(
                     time.monotonic() - lease.leased_at)
             unlock()
+            if self.saver is not None and lease.session.persistent:
+                self.saver.arm(lease.slot)
+
+    def save_settled(self, slot: int) -> bool:
+        """Save the new turns of the session ``slot`` holds, in the background, if the slot is
+        free now: never waits for it, and saves only what kvproxy can prove is there, with
+        restoring on (``plan.save_behind``). True when a save was made."""
+        if not self.try_hold(slot):
+            return False  # a request holds it: it arms the slot again when it ends
+        try:
+            state = self.table.get(slot)
+            if not plan.worth_saving(state):
+                return False
+            made_by = self.current_made_by()
+            if self.restore_check.restoring_off(fingerprint_key(made_by)):
+                return False
+            view = self.slot_view(state, slot)
+            if view != OURS:
+                log.info("not saving session %s in the background: slot %d is %s",
+                         state.session_id, slot, view)
+                return False
+            started = time.monotonic()
+            saved = self.save_held(slot, state, made_by) is not None
+            if saved:
+                metrics.SAVES_BEHIND.inc()
+                log.info("saved session %s from slot %d in the background (%d tokens, %.0f ms)",
+                         state.session_id, slot, state.tokens,
+                         (time.monotonic() - started) * 1000)
+            return saved
+        except (UpstreamError, UpstreamUnavailable, StorageError) as exc:
+            log.warning("could not save slot %d in the background: %s", slot, exc)
+            return False
+        finally:
+            self.give_back(slot)
 
     # -- swapping ----------------------------------------------------------
     def busy(self, slot: int) -> bool:
@@ -310,7 +348,7 @@ class SlotSwitch:
             return False
         try:
             state = self.table.get(slot)
-            if unsaved_only and state.phase is not Phase.UNSAVED:
+            if unsaved_only and not plan.worth_saving(state):
                 return False
             if not state.keeps_file or self.slot_view(state, slot) != OURS:
                 return False

@@ -1,0 +1,94 @@
+"""Saving new turns in the background once a slot has settled (stubbed llama-server)."""
+import threading
+import time
+
+from kvproxy.sessions.identity import Session
+from kvproxy.slots import plan
+from kvproxy.slots.plan import Save, SwapFacts
+from kvproxy.slots.save_behind import SaveBehind
+from kvproxy.slots.state import Phase, SlotState
+from kvproxy.slots.switch import RESTORED
+from tests.fake_llama import MODEL, make_switch
+from tests.test_switch_records import metric
+
+A = Session("A", "test", system_hash="aaaa", model=MODEL)
+B = Session("B", "test", system_hash="bbbb", model=MODEL)
+
+
+def turn(switch, session, fake, tokens):
+    lease = switch.acquire(session)
+    fake.tokens = tokens
+    switch.release(lease, {"cache_n": lease.restored_tokens,
+                           "prompt_n": tokens - lease.restored_tokens, "predicted_n": 0})
+    return lease
+
+
+def saves_of(fake, session):
+    return [a for a in fake.actions if a == ("save", f"{session.stem}.saving.bin")]
+
+
+def test_a_burst_of_answers_is_saved_once_after_it_settles():
+    saved, done = [], threading.Event()
+    saver = SaveBehind(lambda slot: saved.append((slot, time.monotonic())) or done.set(), 0.2)
+    started = time.monotonic()
+    for _ in range(5):                      # five turns in quick succession
+        saver.arm(0)
+        time.sleep(0.05)
+    assert done.wait(5)
+    time.sleep(0.3)
+    assert [slot for slot, _ in saved] == [0], "coalesced: one save"
+    assert saved[0][1] - started >= 0.2 + 4 * 0.05 - 0.01, "only once the slot settled"
+    assert saver.pending() == set()
+
+
+def test_a_settled_slot_is_saved_and_the_swap_then_only_restores(tmp_path, fake):
+    switch = make_switch(tmp_path)
+    turn(switch, A, fake, 40)
+    assert switch.table.get(0).phase is Phase.UNSAVED
+    before = metric("kvproxy_saves_behind_total")
+    assert switch.save_settled(0) is True
+    assert saves_of(fake, A) == [("save", f"{A.stem}.saving.bin")]
+    assert switch.table.get(0).phase is Phase.OURS
+    assert switch.store.read_sidecar(A.stem)["n_tokens"] == 40
+    assert metric("kvproxy_saves_behind_total") == before + 1
+    assert switch.save_settled(0) is False, "nothing new to save"
+    fake.actions.clear()
+    turn(switch, B, fake, 30)               # B takes the slot: A is not saved again
+    assert saves_of(fake, A) == []
+    fake.actions.clear()
+    assert turn(switch, A, fake, 50).cache == RESTORED
+    assert saves_of(fake, B) == [("save", f"{B.stem}.saving.bin")], "B had not settled"
+
+
+def test_a_busy_unproven_or_off_slot_is_not_saved_behind(tmp_path, fake, monkeypatch):
+    switch = make_switch(tmp_path)
+    turn(switch, A, fake, 40)
+    lease = switch.acquire(A)               # a request holds the slot
+    assert switch.save_settled(0) is False and saves_of(fake, A) == []
+    switch.release(lease, {"cache_n": 40, "prompt_n": 2, "predicted_n": 0})
+    fake.tokens = 99                        # the slot no longer holds what kvproxy left there
+    assert switch.save_settled(0) is False and saves_of(fake, A) == []
+    fake.tokens = 42
+    monkeypatch.setattr(switch.restore_check, "restoring_off", lambda key: True)
+    assert switch.save_settled(0) is False and saves_of(fake, A) == []
+    monkeypatch.undo()
+    assert switch.save_settled(0) is True
+
+
+def test_the_switch_saves_behind_on_its_own_after_the_delay(tmp_path, fake):
+    switch = make_switch(tmp_path, save_behind=True, save_behind_delay=0.1)
+    turn(switch, A, fake, 40)
+    deadline = time.monotonic() + 5
+    while switch.table.get(0).phase is not Phase.OURS and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert switch.table.get(0).phase is Phase.OURS and len(saves_of(fake, A)) == 1
+
+
+def test_the_plan_saves_only_turns_the_file_lacks():
+    facts = dict(slot=0, session=B, view=plan.OURS, made_by={"model_path": "/m/tiny.gguf"})
+    base = SlotState(phase=Phase.UNSAVED, session_id="A", key="A", stem=A.stem,
+                     persistent=True, tokens=40, model=MODEL)
+    unsaved = plan.plan_swap(SwapFacts(state=base, **facts))
+    saved = plan.plan_swap(SwapFacts(state=base.to(Phase.OURS), **facts))
+    assert isinstance(unsaved[0], Save)
+    assert not any(isinstance(a, (Save, plan.KeepFile)) for a in saved)
