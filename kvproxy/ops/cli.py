@@ -223,8 +223,13 @@ def cmd_serve(args) -> int:
 
 
 def cmd_doctor(args) -> int:
+    import logging
+
     from kvproxy.config import SETTINGS, ConfigError, load_settings
     from kvproxy.ops import doctor
+    quiet = logging.getLogger("kvproxy")   # the checks' own lines say what the log would
+    quiet.addHandler(logging.NullHandler())
+    quiet.propagate = False
     try:
         settings = load_settings(settings_environ(args, SETTINGS))
     except ConfigError as exc:
