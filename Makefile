@@ -12,7 +12,7 @@ BUILD_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 CLAUDE_CODE_VERSION := 2.1.332
 NPM_DIR := var/npm
 
-.PHONY: setup swa-model run test test-unit test-deploy nginx mutate bench bench-concurrency bench-slot-overhead bench-kill soak clean claude-cli
+.PHONY: setup swa-model run test test-unit test-deploy nginx mutate bench bench-concurrency bench-slot-overhead bench-kill soak clean claude-cli dist
 setup: $(VENV)/.requirements $(VENV)/.llama-server $(VENV)/.model
 
 $(VENV)/bin/python:
@@ -139,5 +139,13 @@ bench-kill: setup
 soak: setup
 	$(BIN)/python -m bench.soak --seconds $${SOAK_SECONDS:-300}
 
+# A wheel and an sdist in dist/ (what `pip install` and `pipx install` take); `build` is
+# installed for this target only.
+dist: $(VENV)/bin/python
+	$(BIN)/pip install --quiet build
+	rm -rf dist
+	$(BIN)/python -m build --outdir dist .
+	@ls -l dist
+
 clean:
-	rm -rf $(VENV) var mutants
+	rm -rf $(VENV) var mutants dist build *.egg-info

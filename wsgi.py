@@ -1,20 +1,6 @@
-"""WSGI entry point: ``gunicorn -c gunicorn.conf.py wsgi:app``.
+"""WSGI entry point of the checkout: ``gunicorn -c gunicorn.conf.py wsgi:app``.
 
-Start-up sweeps the slot folder and checks the contract with llama-server; a
-bad setting or a mismatch stops it with one line naming the fix.
+The app is the package's (kvproxy/wsgi.py): start-up sweeps the slot folder and checks the
+contract with llama-server; a bad setting or a mismatch stops it with one line naming the fix.
 """
-import sys
-
-from kvproxy import create_app
-from kvproxy.config import ConfigError
-from kvproxy.ops.startup import check_at_start
-
-# gunicorn's "App failed to load" exit code: the master stops instead of booting workers forever.
-APP_LOAD_ERROR = 4
-
-try:
-    app = create_app()
-    check_at_start(app)
-except ConfigError as exc:
-    sys.stderr.write(f"kvproxy: {exc}\n")
-    sys.exit(APP_LOAD_ERROR)
+from kvproxy.wsgi import APP_LOAD_ERROR, app  # noqa: F401

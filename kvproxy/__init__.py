@@ -19,6 +19,18 @@ from kvproxy.slots.switch import SlotSwitch
 __version__ = "0.1.0"
 
 
+def build_switch(settings: Settings, client: LlamaClient, store: SessionStore) -> SlotSwitch:
+    """The slot switch the settings describe (the app's, and ``kvproxy doctor``'s)."""
+    return SlotSwitch(client, store, settings.slot_id,
+                      settings.lock_timeout, settings.base_snapshots,
+                      settings.restore_miss_limit, int(settings.max_disk_gb * 1024**3),
+                      int(settings.min_free_gb * 1024**3),
+                      max_waiters=settings.max_waiters,
+                      restore_off_minutes=settings.restore_off_minutes,
+                      slots=settings.slots, save_behind=settings.save_behind,
+                      save_behind_delay=settings.save_behind_delay)
+
+
 def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
     """Build the app: settings, the slot switch, dialect blueprints, admin API.
 
@@ -43,14 +55,7 @@ def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
     client = LlamaClient(settings.upstream, settings.connect_timeout, settings.read_timeout,
                          settings.slot_action_timeout)
     def make_switch(client: LlamaClient, store: SessionStore) -> SlotSwitch:
-        return SlotSwitch(client, store, settings.slot_id,
-                          settings.lock_timeout, settings.base_snapshots,
-                          settings.restore_miss_limit, int(settings.max_disk_gb * 1024**3),
-                          int(settings.min_free_gb * 1024**3),
-                          max_waiters=settings.max_waiters,
-                          restore_off_minutes=settings.restore_off_minutes,
-                          slots=settings.slots, save_behind=settings.save_behind,
-                          save_behind_delay=settings.save_behind_delay)
+        return build_switch(settings, client, store)
     switch = make_switch(client, SessionStore(settings.slot_dir))
     models = ModelSwitches(client, switch, make_switch)
     app.extensions["kvproxy.switch"] = switch

@@ -203,6 +203,38 @@ SETTINGS: tuple[Setting, ...] = (
 )
 
 
+def _optional(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """Empty means None (a default worked out from other settings)."""
+    return lambda value: parse(value) if value.strip() else None
+
+
+# The server process's settings: gunicorn's (kvproxy/gunicorn_conf.py), which ``kvproxy serve``
+# also takes as options. The "Process settings" table of docs/configuration.md comes from here.
+PROCESS_SETTINGS: tuple[Setting, ...] = (
+    Setting("host", "127.0.0.1", str,
+            "Address kvproxy listens on (0.0.0.0: every interface)."),
+    Setting("port", "11434", _number(1, 65535, whole=True),
+            "Port kvproxy listens on."),
+    Setting("threads", "", _optional(_number(1, 100000, whole=True)),
+            "Server threads; empty: KVPROXY_MAX_WAITERS + 16, so threads stay free for /health, "
+            "/metrics and the admin API while the most requests allowed wait for the slot."),
+    Setting("worker_timeout", "120", _number(1, DAY, whole=True),
+            "Seconds of silence after which gunicorn restarts a hung worker; it never cuts a "
+            "long stream (the heartbeat comes from the worker's main thread)."),
+    Setting("graceful_timeout", "120", _number(1, DAY, whole=True),
+            "Seconds a stop (SIGTERM) lets running answers finish before the session each slot "
+            "holds is saved."),
+    Setting("stop_grace", "", _optional(_number(0, DAY)),
+            "Seconds a stream may still run after SIGTERM, then it ends with an error event in "
+            "its API's format; empty: KVPROXY_GRACEFUL_TIMEOUT less 20."),
+    Setting("keepalive", "75", _number(1, DAY, whole=True),
+            "Seconds an idle client connection stays open; longer than nginx keeps idle "
+            "upstream connections (keepalive_timeout 60s)."),
+    Setting("forwarded_allow_ips", "127.0.0.1,::1", str,
+            "Proxies whose X-Forwarded-Proto is believed, comma-separated."),
+)
+
+
 class Settings:
     """Parsed settings, read as attributes (``settings.slot_dir``)."""
 
@@ -221,10 +253,27 @@ def load_settings(environ: Mapping[str, str] | None = None,
     ``overrides`` take setting names (``slot_dir``) and are used as given,
     which is how tests build an app without touching the environment.
     """
+    return _load(SETTINGS, environ, overrides)
+
+
+def load_process_settings(environ: Mapping[str, str] | None = None) -> Settings:
+    """Read the server process's settings (``PROCESS_SETTINGS``) as ``load_settings`` does,
+    with the defaults worked out from other settings filled in."""
+    process = _load(PROCESS_SETTINGS, environ, None)
+    if process.threads is None:
+        waiters = _load(tuple(s for s in SETTINGS if s.name == "max_waiters"), environ, None)
+        process.threads = waiters.max_waiters + 16
+    if process.stop_grace is None:
+        process.stop_grace = float(max(0, process.graceful_timeout - 20))
+    return process
+
+
+def _load(table: tuple[Setting, ...], environ: Mapping[str, str] | None,
+          overrides: Mapping[str, Any] | None) -> Settings:
     environ = os.environ if environ is None else environ
     overrides = dict(overrides or {})
     values: dict[str, Any] = {}
-    for setting in SETTINGS:
+    for setting in table:
         if setting.name in overrides:
             values[setting.name] = overrides.pop(setting.name)
             continue
@@ -254,10 +303,10 @@ def check_slot_dir(path: str) -> None:
                           ) from None
 
 
-def markdown_table() -> str:
-    """The configuration table of docs/configuration.md."""
+def markdown_table(table: tuple[Setting, ...] = SETTINGS) -> str:
+    """A configuration table of docs/configuration.md (kvproxy's settings, or the process's)."""
     rows = ["| Variable | Default | Meaning |", "| --- | --- | --- |"]
-    for setting in SETTINGS:
+    for setting in table:
         default = f"`{setting.default}`" if setting.default else "(empty)"
         rows.append(f"| `{setting.env}` | {default} | {setting.help} |")
     return "\n".join(rows)

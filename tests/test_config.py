@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from kvproxy.config import SETTINGS, ConfigError, load_settings, markdown_table
+from kvproxy.config import (PROCESS_SETTINGS, SETTINGS, ConfigError, load_process_settings,
+                            load_settings, markdown_table)
 
 
 def test_defaults():
@@ -36,6 +37,18 @@ def test_every_setting_is_in_the_configuration_page():
                                       "paste kvproxy.config.markdown_table() into it")
     for setting in SETTINGS:
         assert f"`{setting.env}`" in page
+    assert markdown_table(PROCESS_SETTINGS) in page, (
+        "docs/configuration.md's process settings table is out of date: paste "
+        "kvproxy.config.markdown_table(PROCESS_SETTINGS) into it")
+
+
+def test_process_settings_fill_in_their_worked_out_defaults():
+    defaults = load_process_settings({})
+    assert (defaults.port, defaults.threads, defaults.stop_grace) == (11434, 32, 100.0)
+    custom = load_process_settings({"KVPROXY_MAX_WAITERS": "4", "KVPROXY_GRACEFUL_TIMEOUT": "30"})
+    assert (custom.threads, custom.stop_grace) == (20, 10.0)
+    with pytest.raises(ConfigError, match="^KVPROXY_PORT="):
+        load_process_settings({"KVPROXY_PORT": "http"})
 
 
 @pytest.mark.parametrize("env", [

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvproxy.config import SETTINGS, load_settings
+from kvproxy.config import PROCESS_SETTINGS, SETTINGS, load_settings
 from kvproxy.launch.processes import REPO_ROOT
 from tests.nginx_harness import DEPLOY, Nginx, directive_values, seconds
 
@@ -195,7 +195,7 @@ def test_stop_timeout_covers_the_graceful_stop_and_the_save(monkeypatch):
 
 
 def test_environment_file_names_only_known_settings():
-    known = {s.env for s in SETTINGS}
+    known = {s.env for s in SETTINGS + PROCESS_SETTINGS}
     gunicorn_conf = (REPO_ROOT / "gunicorn.conf.py").read_text()
     for key in env_file():
         if key.startswith("KVPROXY_"):

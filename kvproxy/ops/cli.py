@@ -1,6 +1,11 @@
-"""``python -m kvproxy``: look at and steer a running kvproxy over its admin API.
+"""The ``kvproxy`` command (also ``python -m kvproxy``): ``serve`` runs kvproxy under gunicorn,
+``doctor`` checks a running llama-server (see ops/doctor.py for its exit status), and the other
+commands look at and steer a running kvproxy over its admin API.
 
-Exit codes scripts can rely on:
+The options of ``serve`` and ``doctor`` are generated from the settings tables of config.py;
+each defaults to its ``KVPROXY_*`` environment variable, then to the setting's default.
+
+Exit codes of the admin commands, which scripts can rely on:
   0 done; 1 not found (``rm`` of an unknown id); 2 usage error (also a request kvproxy refuses
   as bad, such as ``clear --slot`` of a slot it does not drive);
   3 kvproxy cannot be reached (refused, timed out, not kvproxy);
@@ -184,6 +189,83 @@ def cmd_stats(client: AdminClient, args) -> tuple[Any, str]:
     return machine, "\n".join(lines)
 
 
+def settings_environ(args, table) -> dict[str, str]:
+    """The environment with the options given on the command line put in it."""
+    environ = dict(os.environ)
+    for setting in table:
+        value = getattr(args, setting.name, None)
+        if value is not None:
+            environ[setting.env] = value
+    return environ
+
+
+def cmd_serve(args) -> int:
+    """Check the settings, then become gunicorn with the package's settings and app."""
+    from kvproxy.config import (PROCESS_SETTINGS, SETTINGS, ConfigError, check_slot_dir,
+                                load_process_settings, load_settings)
+    environ = settings_environ(args, SETTINGS + PROCESS_SETTINGS)
+    try:
+        settings = load_settings(environ)
+        load_process_settings(environ)
+        check_slot_dir(settings.slot_dir)
+    except ConfigError as exc:
+        print(f"kvproxy: {exc}", file=sys.stderr)
+        return USAGE
+    command = [sys.executable, "-m", "gunicorn", "-c", "python:kvproxy.gunicorn_conf",
+               "kvproxy.wsgi:app"]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execve(sys.executable, command, environ)
+    except OSError as exc:
+        print(f"kvproxy: cannot start gunicorn ({exc}): reinstall kvproxy", file=sys.stderr)
+    return SERVER_ERROR
+
+
+def cmd_doctor(args) -> int:
+    import logging
+
+    from kvproxy.config import SETTINGS, ConfigError, load_settings
+    from kvproxy.ops import doctor
+    quiet = logging.getLogger("kvproxy")   # the checks' own lines say what the log would
+    quiet.addHandler(logging.NullHandler())
+    quiet.propagate = False
+    try:
+        settings = load_settings(settings_environ(args, SETTINGS))
+    except ConfigError as exc:
+        print(f"kvproxy: {exc}", file=sys.stderr)
+        return doctor.EXIT[doctor.FAIL]
+    checks = doctor.diagnose(settings, doctor.local_flags(settings.upstream), wait=args.wait)
+    status = doctor.exit_status(checks)
+    if args.json:
+        print(json.dumps({"checks": [vars(c) for c in checks], "exit_status": status}, indent=2))
+    else:
+        for check in checks:
+            print(check.line())
+        print(doctor.VERDICTS[status])
+    return status
+
+
+METAVARS = {"upstream": "URL", "slot_dir": "DIR", "host": "HOST", "port": "PORT"}
+
+
+def add_settings_options(sub: argparse.ArgumentParser, table) -> None:
+    """One option per setting (``slot_dir`` -> ``--slot-dir``); unset, the environment
+    variable or the default applies, as kvproxy itself reads them."""
+    for setting in table:
+        current = os.environ.get(setting.env)
+        default = f"${setting.env}={current!r}" if current is not None else \
+            (f"{setting.default}" if setting.default else "empty")
+        sub.add_argument("--" + setting.name.replace("_", "-"), dest=setting.name,
+                         metavar=METAVARS.get(setting.name, "VALUE"),
+                         help=f"{setting.help} [{setting.env}; default: {default}]"
+                         .replace("%", "%%"))
+
+
+SERVE_HELP = "run kvproxy under gunicorn in front of an existing llama-server"
+DOCTOR_HELP = ("check a running llama-server for what kvproxy needs, one line per check with "
+               "the fix (exit 0 good, 1 warnings, 2 kvproxy would not work)")
+
 COMMANDS: dict[str, tuple[Callable, str]] = {
     "ps": (cmd_ps, "the slots and the session each holds"),
     "sessions": (cmd_sessions, "the saved sessions as a table"),
@@ -205,18 +287,33 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
                         help="print JSON for machines")
     common.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    top = Parser(prog="python -m kvproxy",
-                 description="Look at and steer a running kvproxy over its admin API.",
-                 epilog="exit codes: 0 ok, 1 not found, 2 usage or bad request, "
-                        "3 cannot reach kvproxy, 4 admin token refused, "
+    from kvproxy import __version__
+    from kvproxy.config import PROCESS_SETTINGS, SETTINGS
+    top = Parser(prog="kvproxy",
+                 description="kvproxy: a session-aware front door for llama-server. 'serve' runs "
+                             "it, 'doctor' checks a llama-server, the other commands look at and "
+                             "steer a running kvproxy over its admin API.",
+                 epilog="exit codes of the admin commands: 0 ok, 1 not found, 2 usage or bad "
+                        "request, 3 cannot reach kvproxy, 4 admin token refused, "
                         "5 kvproxy answered with an error",
                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    top.add_argument("--version", action="version", version=f"kvproxy {__version__}")
     top.add_argument("--url", default=os.environ.get("KVPROXY_URL", DEFAULT_URL),
                      help="kvproxy's address (default: $KVPROXY_URL or %(default)s)")
     top.add_argument("--json", action="store_true", help="print JSON for machines")
     top.add_argument("--timeout", type=float, default=10, help="seconds to wait (default 10)")
     commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                   parser_class=Parser)
+    serve = commands.add_parser("serve", help=SERVE_HELP, description=SERVE_HELP + "; each "
+                                "option defaults to its environment variable")
+    add_settings_options(serve, SETTINGS + PROCESS_SETTINGS)
+    check = commands.add_parser("doctor", help=DOCTOR_HELP, description=DOCTOR_HELP + ". It "
+                                "runs kvproxy's start-up checks (a probe save and restore in a "
+                                "spare slot) over the slot folder kvproxy would use.")
+    add_settings_options(check, SETTINGS)
+    check.add_argument("--wait", type=float, default=10,
+                       help="seconds to wait for busy slots (default 10)")
+    check.add_argument("--json", action="store_true", help="print JSON for machines")
     for name, (_, help_text) in COMMANDS.items():
         sub = commands.add_parser(name, help=help_text, description=help_text, parents=[common])
         if name == "rm":
@@ -229,6 +326,15 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.command in ("serve", "doctor"):
+        try:
+            return (cmd_serve if args.command == "serve" else cmd_doctor)(args)
+        except KeyboardInterrupt:
+            return 130
+        except Exception as exc:  # one line, never a traceback
+            print(f"kvproxy {args.command}: stopped by {exc.__class__.__name__}: {exc}",
+                  file=sys.stderr)
+            return USAGE if args.command == "serve" else 2
     client = AdminClient(args.url, os.environ.get("KVPROXY_ADMIN_TOKEN", ""), args.timeout)
     try:
         machine, text = COMMANDS[args.command][0](client, args)

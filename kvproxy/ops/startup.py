@@ -14,6 +14,7 @@ import logging
 import secrets
 import threading
 import time
+from typing import Iterator
 
 from kvproxy.storage import disk, model_names
 from kvproxy.errors import ContractError  # imported from here too
@@ -57,45 +58,70 @@ def contract_problem(client: LlamaClient, switch) -> str | None:
     Raises UpstreamUnavailable, or UpstreamError for a 5xx, when llama-server
     cannot answer yet.
     """
+    for _check, problem in contract_checks(client, switch):
+        if problem:
+            return problem
+    return None
+
+
+def contract_checks(client: LlamaClient, switch) -> Iterator[tuple[str, str | None]]:
+    """Each check of the contract in turn, as (check, problem or None), up to the first
+    problem: ``slots`` (count and id), ``slot listing``, ``slot saving``, ``slot folder``;
+    nothing behind a router. Run with the slot locked; ``kvproxy doctor`` prints each one.
+
+    Raises UpstreamUnavailable, or UpstreamError for a 5xx, when llama-server
+    cannot answer yet.
+    """
     slot_id, root = switch.slot_id, switch.store.root
     props = client.props()
     if props.get("role") == "router":
-        return None  # several models, each with slots of its own: see slots.models
+        return  # several models, each with slots of its own: see slots.models
     total = props.get("total_slots")
     wanted = switch.configured_slots
     if isinstance(total, int) and wanted > 1 and wanted > total:
-        return (f"KVPROXY_SLOTS={wanted}, but llama-server has {total} slot(s): start it with "
-                f"-np {wanted}, or set KVPROXY_SLOTS to {total} or less (0: as many as it has)")
+        yield "slots", (f"KVPROXY_SLOTS={wanted}, but llama-server has {total} slot(s): start it "
+                        f"with -np {wanted}, or set KVPROXY_SLOTS to {total} or less (0: as many "
+                        "as it has)")
+        return
     slot_id = switch.slot_ids()[0]
     if isinstance(total, int) and slot_id >= total:
-        return (f"KVPROXY_SLOT_ID={slot_id}, but llama-server has {total} slot(s) (ids 0 to "
-                f"{total - 1}) and would wrap the id onto another slot: set KVPROXY_SLOT_ID "
-                f"below {total}")
+        yield "slots", (f"KVPROXY_SLOT_ID={slot_id}, but llama-server has {total} slot(s) (ids 0 "
+                        f"to {total - 1}) and would wrap the id onto another slot: set "
+                        f"KVPROXY_SLOT_ID below {total}")
+        return
+    yield "slots", None
     try:
         client.slots()
     except UpstreamError as exc:
         if exc.status == 501:   # --no-slots: slot actions still work, the listing does not
-            return ("llama-server does not list its slots (started with --no-slots), and "
-                    "kvproxy needs GET /slots to know what each slot holds: start it without "
-                    "--no-slots")
+            yield "slot listing", ("llama-server does not list its slots (started with "
+                                   "--no-slots), and kvproxy needs GET /slots to know what each "
+                                   "slot holds: start it without --no-slots")
+            return
         if exc.status >= 500:
             raise
+    yield "slot listing", None
     name = f"{PROBE_PREFIX}{secrets.token_hex(8)}.bin"
     try:
         client.slot_action(slot_id, "save", name)
     except UpstreamError as exc:
         if exc.status == 501:
-            return f"llama-server has slot saving off: start it with --slot-save-path {root}"
+            yield "slot saving", f"llama-server has slot saving off: start it with --slot-save-path {root}"
+            return
         if exc.status >= 500:
             raise
-        return f"llama-server refused a probe save into slot {slot_id}: {exc.message}"
+        yield "slot saving", f"llama-server refused a probe save into slot {slot_id}: {exc.message}"
+        return
+    yield "slot saving", None
     probe = root / name
     if not probe.is_file():
-        return (f"llama-server saved its probe file {name} outside KVPROXY_SLOT_DIR={root}: "
-                f"start llama-server with --slot-save-path {root}, or set KVPROXY_SLOT_DIR to "
-                f"its folder (and delete {name} there)")
+        yield "slot folder", (f"llama-server saved its probe file {name} outside "
+                              f"KVPROXY_SLOT_DIR={root}: start llama-server with --slot-save-path "
+                              f"{root}, or set KVPROXY_SLOT_DIR to its folder (and delete {name} "
+                              "there)")
+        return
     probe.unlink(missing_ok=True)
-    return None
+    yield "slot folder", None
 
 
 class Contract:
