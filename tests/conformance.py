@@ -141,6 +141,15 @@ DIFFERENCES: dict[str, Difference] = {
     "root": Difference(
         "GET /", "any", "its web UI", "200 `Ollama is running`",
         "Ollama clients probe it to find a server.", (200, 200), "Ollama is running"),
+    "too-many-messages": Difference(
+        "POST /v1/chat/completions, /v1/messages, /api/chat (every chat route)",
+        "more than `KVPROXY_MAX_MESSAGES` messages (default 4096)",
+        "200, after rendering every message's template with the slot held (minutes for "
+        "tens of thousands)",
+        "400 `the request has N messages; kvproxy takes at most M (KVPROXY_MAX_MESSAGES)`",
+        "No real conversation has that many; one such request would hold the slot for minutes "
+        "while the others wait, so it is refused before the slot is taken.",
+        (200, 400), "(KVPROXY_MAX_MESSAGES)"),
     "slot-actions": Difference(
         "POST /slots/<id>", "`?action=save`, `restore`, `erase`",
         "200: saves, restores or erases the slot",

@@ -16,11 +16,15 @@ from tests.conftest import Stack
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(1500)]
 
+MAX_MESSAGES = 8
+
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, fim_model):
     """As conftest's stack, on the bundled model with FIM tokens named, so /infill answers."""
-    started = Stack(tmp_path_factory.mktemp("stack"), model=fim_model).start()
+    # KVPROXY_MAX_MESSAGES lowered so that a corpus entry of a few messages shows the refusal
+    started = Stack(tmp_path_factory.mktemp("stack"), model=fim_model,
+                    KVPROXY_MAX_MESSAGES=str(MAX_MESSAGES)).start()
     yield started
     started.stop()
 
