@@ -19,7 +19,7 @@ from kvproxy.storage import disk, model_names
 from kvproxy.errors import ContractError  # imported from here too
 from kvproxy.upstream.llama import LlamaClient, UpstreamError, UpstreamUnavailable
 from kvproxy.errors import StateFormatError, StorageError
-from kvproxy.storage.store import PROBE_PREFIX
+from kvproxy.storage.store import PROBE_PREFIX, unlink_with_companions
 from kvproxy.slots.restore_probe import ProbeVerdict, prove_restores
 
 log = logging.getLogger("kvproxy.startup")
@@ -94,7 +94,7 @@ def contract_problem(client: LlamaClient, switch) -> str | None:
         return (f"llama-server saved its probe file {name} outside KVPROXY_SLOT_DIR={root}: "
                 f"start llama-server with --slot-save-path {root}, or set KVPROXY_SLOT_DIR to "
                 f"its folder (and delete {name} there)")
-    probe.unlink(missing_ok=True)
+    unlink_with_companions(probe)   # and a newer llama-server's probe.<hex>.bin.ckpt
     return None
 
 
