@@ -126,6 +126,7 @@ def test_sweep_deletes_leftover_and_orphaned_companions_and_keeps_good_ones(
     assert not {f"{A.stem}.saving.bin{CKPT}", f"{B.stem}.saving.bin{CKPT}",
                 f"probe.0123456789abcdef.bin{CKPT}", f"gone@{MODEL}.bin{CKPT}"} & names, names
     assert any(f"gone@{MODEL}.bin{CKPT}" in line and "is gone" in line for line in done), done
+    assert any(f"leftover temporary file {B.stem}.saving.bin{CKPT}" in line for line in done), done
     assert disk.sweep(SessionStore(tmp_path)) == [], "nothing left to do"
 
 

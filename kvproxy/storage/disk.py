@@ -149,8 +149,8 @@ def size_problem(store: SessionStore, stem: str, sidecar: dict) -> str | None:
     actual = store.bin_bytes(stem)
     if actual != expected:
         return f"it has {actual} bytes, its sidecar says {expected}"
-    found = companion_suffixes(store.bin_path(stem))
-    for suffix, size in sorted((sidecar.get("companions") or {}).items()):
+    found, recorded = companion_suffixes(store.bin_path(stem)), sidecar.get("companions")
+    for suffix, size in sorted(recorded.items() if isinstance(recorded, dict) else ()):
         if suffix not in found:
             return f"its companion {stem}.bin{suffix} is missing"
         if found[suffix] != size:
@@ -202,8 +202,7 @@ def orphan_companions(folder: Path) -> list[Path]:
     found = []
     for path in paths:
         owner = slot_file_of(path.name)
-        if owner and path.is_file() and not is_leftover(path.name) \
-                and not (folder / owner).is_file():
+        if owner and path.is_file() and not (folder / owner).is_file():
             found.append(path)
     return found
 
