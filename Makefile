@@ -12,7 +12,7 @@ BUILD_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 CLAUDE_CODE_VERSION := 2.1.332
 NPM_DIR := var/npm
 
-.PHONY: setup swa-model run test test-unit test-deploy nginx mutate bench bench-concurrency bench-slot-overhead bench-kill soak clean claude-cli dist
+.PHONY: setup swa-model run test test-unit test-deploy nginx mutate bench bench-concurrency bench-slot-overhead bench-kill bench-models soak clean claude-cli dist
 setup: $(VENV)/.requirements $(VENV)/.llama-server $(VENV)/.model
 
 $(VENV)/bin/python:
@@ -134,6 +134,12 @@ bench-slot-overhead: setup
 # SIGKILL of llama-server, kvproxy or both after a turn settled, 20 rounds: every turn kept?
 bench-kill: setup
 	$(BIN)/python -m bench.kill --rounds $${KILL_ROUNDS:-20}
+
+# Returning turns restored from their files against cold prefills: Gemma 3 270M with
+# --swa-full, and a router (--models-dir, --models-max 1) whose models are unloaded and loaded
+# again, the load timed apart (a few minutes).
+bench-models: setup swa-model
+	$(BIN)/python -m bench.models $(BENCH_ARGS)
 
 # Minutes of load against the real llama-server; not part of `make test` (a short one is).
 soak: setup

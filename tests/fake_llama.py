@@ -48,6 +48,11 @@ class FakeLlama:
         self.on_save = None                 # called with the file name before a save writes
         self.saving_off = False             # as llama-server without --slot-save-path
         self.slots_off = False              # as llama-server with --no-slots (no GET /slots)
+        # As newer llama-server, which saves context checkpoints beside a slot file: each save
+        # also writes ``<file><companion>`` (``.ckpt``: 4 + 2 bytes a token), and each restore
+        # records the tokens of the companion it found beside the file (None: none) here.
+        self.companion: str | None = None
+        self.restored_companions: list[int | None] = []
         self.chat_timings = {"cache_n": 0, "prompt_n": 10, "predicted_n": 2}
         # When set, saves write llama-server's real layout with these token ids at the head.
         self.slot_token_ids: list[int] | None = None
@@ -144,6 +149,9 @@ class FakeLlama:
             if self.save_fault == "short":
                 data = data[:3]
             (self.slot_dir / filename).write_bytes(data)
+            if self.companion:
+                (self.slot_dir / (filename + self.companion)).write_bytes(
+                    b"ckpt" + bytes(2 * tokens_now()))
             return self._json({"id_slot": slot, "filename": filename, "n_saved": tokens_now(),
                                "n_written": written,
                                **({"timings": {"save_ms": 1.234}} if self.slot_timings else {})})
@@ -154,6 +162,10 @@ class FakeLlama:
                 return self._json({"error": {"code": 400, "message": "Unable to restore slot",
                                              "type": "invalid_request_error"}}, 400)
             head = path.read_bytes()
+            if self.companion:
+                beside = self.slot_dir / (filename + self.companion)
+                self.restored_companions.append(
+                    (beside.stat().st_size - 4) // 2 if beside.is_file() else None)
             if head[:4] == b"ggsq":
                 self.held[slot] = len(head) - 4
             else:

@@ -30,7 +30,7 @@ from kvproxy.storage import disk
 from kvproxy.sessions.identity import Session
 from tests.fake_llama import MODEL, FakeLlama, make_switch
 
-slot_dir, point = Path(sys.argv[1]), sys.argv[2]
+slot_dir, point, companion = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
 A = Session("A", "test", system_hash="aaaa", model=MODEL)
 B = Session("B", "test", system_hash="bbbb", model=MODEL)
 
@@ -47,6 +47,7 @@ def turn(switch, session, fake, tokens):
 
 with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
     fake = FakeLlama(mock, slot_dir)
+    fake.companion = companion[0] if companion else None   # newer llama-server's <file>.ckpt
     switch = make_switch(slot_dir)
     turn(switch, A, fake, {old})
     turn(switch, B, fake, {old})
@@ -65,6 +66,8 @@ with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
     def replace(src, dst):
         real_replace(src, dst)
         if point == "after the file's rename" and str(src).endswith(".saving.bin"):
+            die()
+        if point == "after the companion's rename" and str(src).endswith(".saving.bin.ckpt"):
             die()
         if point == "after the sidecar's rename" and Path(dst) == sidecar:
             die()
@@ -88,8 +91,13 @@ POINTS = {
 }
 
 
-def crash_save(slot_dir, point):
-    result = subprocess.run([sys.executable, "-c", CHILD, str(slot_dir), point], cwd=REPO_ROOT,
+# with a companion file beside the slot file (newer llama-server's context checkpoints)
+COMPANION_POINTS = {**POINTS, "after the companion's rename": NEW}
+
+
+def crash_save(slot_dir, point, *companion):
+    result = subprocess.run([sys.executable, "-c", CHILD, str(slot_dir), point, *companion],
+                            cwd=REPO_ROOT,
                             capture_output=True, text=True, timeout=120)
     return result
 
@@ -137,3 +145,27 @@ def test_a_temporary_sidecar_that_does_not_match_is_rolled_back(tmp_path, fake):
         [f"{A.stem}.bin", f"{A.stem}.json"]
     assert store.read_sidecar(A.stem)["n_tokens"] == OLD
     assert os.path.getsize(store.bin_path(A.stem)) == OLD + 4
+
+
+@pytest.mark.parametrize("point", list(COMPANION_POINTS))
+def test_a_save_with_a_companion_killed_at_any_step_keeps_file_and_companion_together(
+        tmp_path, point):
+    """The companion (``<file>.ckpt``) after the sweep is the one saved with the file in place:
+    the restore finds the checkpoints of the state it restores."""
+    result = crash_save(tmp_path, point, ".ckpt")
+    assert result.returncode == (0 if point == "not at all" else -9), result.stderr
+    store = SessionStore(tmp_path)
+    done = disk.sweep(store)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert not [n for n in names if ".saving.bin" in n or n.endswith(".tmp")], names
+    assert not (tmp_path / "quarantine").exists(), (done, names)
+    assert disk.size_problem(store, A.stem, store.read_sidecar(A.stem)) is None, (done, names)
+    assert store.read_sidecar(A.stem)["companions"] == {".ckpt": 4 + 2 * COMPANION_POINTS[point]}
+    with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
+        fake = FakeLlama(mock, tmp_path)
+        fake.companion = ".ckpt"
+        switch = make_switch(tmp_path)
+        lease = switch.acquire(A)
+        switch.release(lease, {})
+    assert (lease.cache, lease.restored_tokens) == (RESTORED, COMPANION_POINTS[point])
+    assert fake.restored_companions == [COMPANION_POINTS[point]], "its own checkpoints"

@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from kvproxy.sessions import identity
 from kvproxy.slots.state import SlotTable
+from kvproxy.storage.store import bytes_with_companions
 
 REGISTRY = CollectorRegistry()
 
@@ -94,8 +95,9 @@ def observe_eviction(n_bytes: int = 0) -> None:
 
 
 def slot_folder_usage(root: str | Path) -> tuple[int, int]:
-    """``(bytes, files)`` of the ``*.bin`` slot files in ``root``; files vanishing mid-scan
-    are skipped, and so is the start-up check's probe (written and deleted at once)."""
+    """``(bytes, files)`` of the ``*.bin`` slot files in ``root`` (bytes with their companion
+    files); files vanishing mid-scan are skipped, and so is the start-up check's probe
+    (written and deleted at once)."""
     total = count = 0
     try:
         paths = [p for p in Path(root).glob("*.bin") if not p.name.startswith("probe.")]
@@ -107,7 +109,7 @@ def slot_folder_usage(root: str | Path) -> tuple[int, int]:
         except OSError:
             continue
         if path.is_file():
-            total += stat.st_size
+            total += bytes_with_companions(path)   # llama-server's <file>.ckpt counts too
             count += 1
     return total, count
 

@@ -20,7 +20,7 @@ from kvproxy.storage import disk, model_names
 from kvproxy.errors import ContractError  # imported from here too
 from kvproxy.upstream.llama import LlamaClient, UpstreamError, UpstreamUnavailable
 from kvproxy.errors import StateFormatError, StorageError
-from kvproxy.storage.store import PROBE_PREFIX
+from kvproxy.storage.store import PROBE_PREFIX, unlink_with_companions
 from kvproxy.slots.restore_probe import ProbeVerdict, prove_restores
 
 log = logging.getLogger("kvproxy.startup")
@@ -120,7 +120,7 @@ def contract_checks(client: LlamaClient, switch) -> Iterator[tuple[str, str | No
                               f"{root}, or set KVPROXY_SLOT_DIR to its folder (and delete {name} "
                               "there)")
         return
-    probe.unlink(missing_ok=True)
+    unlink_with_companions(probe)   # and a newer llama-server's probe.<hex>.bin.ckpt
     yield "slot folder", None
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from kvproxy.slots.plan import OURS, fingerprint_key, judge_slot
 from kvproxy.slots.restore_check import cause_of, judge
 from kvproxy.slots.state import Phase, SlotState, emptied
-from kvproxy.storage.store import PROBE_PREFIX
+from kvproxy.storage.store import PROBE_PREFIX, unlink_with_companions
 from kvproxy.upstream import gguf, slot_file
 from kvproxy.upstream.llama import LlamaClient, UpstreamError, UpstreamUnavailable
 
@@ -65,7 +65,7 @@ def probe(client: LlamaClient, root: Path, slot: int) -> ProbeVerdict:
         return ProbeVerdict(None, detail=f"the restore probe could not finish: {exc}",
                             touched=touched)
     finally:
-        path.unlink(missing_ok=True)
+        unlink_with_companions(path)   # and a newer llama-server's <file>.ckpt
     verdict = judge(restored, reused, max(0, len(tokens) - 1))
     honoured = None if verdict == "not_comparable" else verdict == "honoured"
     return ProbeVerdict(honoured, restored, reused, kv_format,

@@ -7,6 +7,13 @@ llama-server's count, and only then is it renamed over the session's file. A
 file whose size does not match its sidecar is moved to ``quarantine/`` instead
 of being restored. Which files to evict is decided by a pure function,
 ``plan_eviction``; ``DiskBudget`` carries it out.
+
+Companion files llama-server writes beside a slot file (``<stem>.bin.ckpt``, see
+``store.companions``) go wherever their file goes: a checked save renames them in
+after the file and before the sidecar (the sidecar records them), quarantine and
+eviction move or delete them with it, the sweep treats a companion of a leftover as
+a leftover and deletes one whose slot file is gone, and a file's size on disk for the
+budget includes them.
 """
 from __future__ import annotations
 
@@ -24,8 +31,9 @@ from pathlib import Path
 from kvproxy.ops import metrics
 from kvproxy.upstream.llama import LlamaClient, UpstreamError
 from kvproxy.storage.store import (PROBE_PREFIX, QUARANTINE_DIR, SIDECAR_FORMAT, TEMP_SUFFIX, SessionStore,
-                    StorageError, migrate_sidecar, now_iso, read_json, write_json_atomic,
-                    write_json_beside)
+                    StorageError, bytes_with_companions, companion_suffixes, companions,
+                    migrate_sidecar, move_companions, now_iso, read_json, slot_file_of,
+                    unlink_with_companions, write_json_atomic, write_json_beside)
 
 log = logging.getLogger("kvproxy.disk")
 
@@ -52,8 +60,9 @@ def temp_path(store: SessionStore, stem: str) -> Path:
 
 
 def discard(path: Path) -> None:
+    """Delete a file (and a slot file's companions), logging what cannot be deleted."""
     try:
-        path.unlink(missing_ok=True)
+        unlink_with_companions(path)
     except OSError as exc:
         log.warning("could not remove %s: %s", path.name, exc)
 
@@ -66,8 +75,8 @@ def checked_save(client: LlamaClient, slot_id: int, store: SessionStore, stem: s
     cannot complete raises StorageError with the old file and sidecar untouched."""
     tmp = temp_path(store, stem)
     try:
-        if tmp.is_file() or tmp.is_symlink():  # left by an interrupted save
-            tmp.unlink()
+        if tmp.is_file() or tmp.is_symlink() or companions(tmp):  # left by an interrupted save
+            unlink_with_companions(tmp)
         answer = client.slot_action(slot_id, "save", tmp.name)
     except (UpstreamError, OSError) as exc:
         discard(tmp)
@@ -77,6 +86,7 @@ def checked_save(client: LlamaClient, slot_id: int, store: SessionStore, stem: s
         discard(tmp)
         return None
     sidecar = describe(answer, checked_size(store, stem, answer))
+    sidecar["companions"] = companion_suffixes(tmp)   # written beside it by llama-server
     install(store, stem, sidecar)
     return sidecar
 
@@ -99,10 +109,12 @@ def checked_size(store: SessionStore, stem: str, answer: dict) -> int:
 
 
 def install(store: SessionStore, stem: str, sidecar: dict) -> None:
-    """Rename the checked save over ``<stem>.bin`` and its new sidecar over the old one.
+    """Rename the checked save over ``<stem>.bin``, its companions over the old file's (old
+    companions the save has not are deleted), and its new sidecar over the old one.
     Everything that needs disk space happens before the first rename. A process killed
     at any step leaves what ``sweep`` finishes (the new sidecar is written, matching its
-    file) or rolls back (the old pair is still in place)."""
+    file and naming its companions) or rolls back (the old file, companions and sidecar
+    are still in place)."""
     tmp = temp_path(store, stem)
     try:
         tmp_sidecar = write_json_beside(store.sidecar_path(stem), sidecar)
@@ -118,8 +130,10 @@ def install(store: SessionStore, stem: str, sidecar: dict) -> None:
         raise SaveFailed(f"cannot rename the save of {stem}.bin in the slot folder: "
                            f"{exc.strerror or exc}") from exc
     try:
+        move_companions(tmp, store.bin_path(stem), set(sidecar.get("companions") or ()))
         os.replace(tmp_sidecar, store.sidecar_path(stem))
     except OSError as exc:  # the new file does not match the old sidecar: both go
+        discard(tmp)
         discard(tmp_sidecar)
         discard(store.bin_path(stem))
         discard(store.sidecar_path(stem))
@@ -135,6 +149,13 @@ def size_problem(store: SessionStore, stem: str, sidecar: dict) -> str | None:
     actual = store.bin_bytes(stem)
     if actual != expected:
         return f"it has {actual} bytes, its sidecar says {expected}"
+    found, recorded = companion_suffixes(store.bin_path(stem)), sidecar.get("companions")
+    for suffix, size in sorted(recorded.items() if isinstance(recorded, dict) else ()):
+        if suffix not in found:
+            return f"its companion {stem}.bin{suffix} is missing"
+        if found[suffix] != size:
+            return (f"its companion {stem}.bin{suffix} has {found[suffix]} bytes, its sidecar "
+                    f"says {size}")
     return None
 
 
@@ -146,6 +167,7 @@ def quarantine(store: SessionStore, stem: str, reason: str) -> Path:
     tag = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
     target = folder / f"{stem}.{tag}.bin"
     os.replace(store.bin_path(stem), target)
+    move_companions(store.bin_path(stem), target)
     sidecar = read_json(store.sidecar_path(stem)) or {"stem": stem}
     sidecar.update(quarantined_at=now_iso(), quarantine_reason=reason)
     write_json_atomic(folder / f"{stem}.{tag}.json", sidecar)
@@ -164,9 +186,25 @@ def set_aside(store: SessionStore, stem: str, reason: str) -> str:
 
 # -- start-up sweep ----------------------------------------------------------
 def is_leftover(name: str) -> bool:
-    """A temporary file of an interrupted save, probe or sidecar write."""
+    """A temporary file of an interrupted save, probe or sidecar write, or a companion of one
+    (``<stem>.saving.bin.ckpt``)."""
+    name = slot_file_of(name) or name
     return (name.endswith(TEMP_SUFFIX) or (name.startswith(PROBE_PREFIX) and name.endswith(".bin"))
             or (name.startswith(".") and name.endswith(".tmp")))
+
+
+def orphan_companions(folder: Path) -> list[Path]:
+    """Companion files in ``folder`` whose slot file is gone."""
+    try:
+        paths = sorted(folder.iterdir())
+    except OSError:
+        return []
+    found = []
+    for path in paths:
+        owner = slot_file_of(path.name)
+        if owner and path.is_file() and not (folder / owner).is_file():
+            found.append(path)
+    return found
 
 
 def temp_sidecars(store: SessionStore) -> dict[str, list[Path]]:
@@ -196,6 +234,8 @@ def finish_save(store: SessionStore, stem: str, candidates: list[Path]) -> str |
             return -path.stat().st_mtime
         except OSError:
             return 0.0
+    def companions_in_place(source: Path, sidecar: dict) -> None:
+        move_companions(source, store.bin_path(stem), set(sidecar.get("companions") or ()))
     for candidate in sorted(candidates, key=newest_first):
         sidecar = migrate_sidecar(read_json(candidate))
         if not sidecar or sidecar.get("stem") != stem or not sidecar.get("saved_at"):
@@ -206,10 +246,12 @@ def finish_save(store: SessionStore, stem: str, candidates: list[Path]) -> str |
         saving = temp_path(store, stem)
         if file_size(saving) == size:       # killed between the sidecar write and the renames
             os.replace(saving, store.bin_path(stem))
+            companions_in_place(saving, sidecar)
             os.replace(candidate, store.sidecar_path(stem))
             return (f"finished the interrupted save of {stem}.bin: its checked file "
                     f"{saving.name} and its sidecar ({size} bytes) put in place")
-        if file_size(store.bin_path(stem)) == size:   # killed between the two renames
+        if file_size(store.bin_path(stem)) == size:   # killed after the file's rename
+            companions_in_place(saving, sidecar)
             os.replace(candidate, store.sidecar_path(stem))
             return (f"finished the interrupted save of {stem}.bin: its new sidecar "
                     f"({size} bytes) put in place")
@@ -222,9 +264,10 @@ def sweep(store: SessionStore) -> list[str]:
     Run with the slot locked. An interrupted save whose temporary sidecar matches
     its file is finished (``finish_save``); other leftover temporary files are
     deleted, which rolls the save back to the old pair; a ``.bin`` without a
-    sidecar saying what made it, or whose size does not match, goes to
-    quarantine; a sidecar whose slot file is gone is deleted (a sidecar that
-    never had a file only counts a session's requests, and stays).
+    sidecar saying what made it, or whose size (or a recorded companion's) does
+    not match, goes to quarantine with its companions; a companion whose slot
+    file is gone is deleted; a sidecar whose slot file is gone is deleted (a
+    sidecar that never had a file only counts a session's requests, and stays).
     """
     done = []
     for stem, candidates in sorted(temp_sidecars(store).items()):
@@ -248,6 +291,9 @@ def sweep(store: SessionStore) -> list[str]:
         if reason:
             quarantine(store, stem, reason)
             done.append(f"moved {path.name} to {QUARANTINE_DIR}/: {reason}")
+    for path in orphan_companions(store.root):
+        discard(path)
+        done.append(f"deleted {path.name}: its slot file {slot_file_of(path.name)} is gone")
     for sidecar in store.sidecars():
         stem = sidecar["stem"]
         if sidecar.get("saved_at") and not store.has_bin(stem):
@@ -375,30 +421,41 @@ class DiskBudget:
         saved = {s["stem"]: s for s in sidecars if s.get("saved_at")}
         found, total = [], 0
         paths = list(self.store.root.glob("*.bin"))
+        orphans = orphan_companions(self.store.root)
         quarantined = self.store.root / QUARANTINE_DIR
         if quarantined.is_dir():
             paths += [p for p in quarantined.iterdir() if p.suffix == ".bin"]
-        for path in paths:
+            orphans += orphan_companions(quarantined)
+        for path in orphans:   # a companion without its file: loose
             try:
                 stat = path.stat()
             except OSError:
                 continue
             total += stat.st_size
+            used = datetime.fromtimestamp(stat.st_mtime, timezone.utc).isoformat()
+            found.append(Entry(path, stat.st_size, used, None, loose=True))
+        for path in paths:
+            try:
+                stat = path.stat()
+            except OSError:
+                continue
+            size = bytes_with_companions(path)   # the file and what llama-server wrote beside it
+            total += size
             sidecar = saved.get(path.stem) if path.parent == self.store.root else None
             if sidecar and not is_leftover(path.name):
                 if path.stem in keep:
                     continue
                 used = sidecar.get("last_used_at") or sidecar.get("saved_at") or ""
-                found.append(Entry(path, stat.st_size, used, path.stem, loose=False))
+                found.append(Entry(path, size, used, path.stem, loose=False))
             else:
                 used = datetime.fromtimestamp(stat.st_mtime, timezone.utc).isoformat()
-                found.append(Entry(path, stat.st_size, used, None, loose=True))
+                found.append(Entry(path, size, used, None, loose=True))
         return found, total
 
     def estimate(self, stem: str, tokens: int, made_by: dict | None,
                  sidecars: list[dict] | None = None) -> int:
-        """Bytes a save of ``tokens`` will take: bytes per token of this session's last
-        save, else the largest seen for the same model, else unknown (0)."""
+        """Bytes a save of ``tokens`` will take (companions included): bytes per token of
+        this session's last save, else the largest seen for the same model, else unknown (0)."""
         if tokens <= 0:
             return 0
         ratios: list[float] = []
@@ -406,6 +463,8 @@ class DiskBudget:
             n_tokens, n_bytes = sidecar.get("n_tokens"), sidecar.get("saved_bytes")
             if not (isinstance(n_tokens, int) and n_tokens > 0 and isinstance(n_bytes, int)):
                 continue
+            n_bytes += sum(v for v in (sidecar.get("companions") or {}).values()
+                           if isinstance(v, int))
             if sidecar["stem"] == stem:
                 return int(tokens * n_bytes / n_tokens)
             if made_by is None or sidecar.get("made_by") == made_by:
@@ -423,7 +482,7 @@ class DiskBudget:
         entries, total = self.entries(keep, sidecars)
         free, floor = self.free_bytes(), self.floor()
         victims, fits = plan_eviction(entries, total=total, incoming=incoming,
-                                      replacing=self.store.bin_bytes(stem), free=free,
+                                      replacing=self.store.disk_bytes(stem), free=free,
                                       max_bytes=self.max_bytes, min_free=floor)
         if not fits:
             raise SaveFailed(
@@ -448,8 +507,9 @@ class DiskBudget:
                 if entry.stem:
                     self.store.delete(entry.stem)
                 else:
-                    entry.path.unlink(missing_ok=True)
-                    if entry.path.parent != self.store.root:  # a quarantined file's sidecar
+                    unlink_with_companions(entry.path)
+                    if entry.path.parent != self.store.root and entry.path.suffix == ".bin":
+                        # a quarantined file's sidecar
                         entry.path.with_suffix(".json").unlink(missing_ok=True)
             except OSError as exc:
                 log.warning("could not evict %s: %s", entry.path.name, exc)

@@ -2,6 +2,10 @@
 
 Each session or base snapshot is ``<stem>.bin`` (written by llama-server)
 plus ``<stem>.json`` (written here, atomically: temp file, then rename).
+llama-server may write companion files beside a slot file, ``<stem>.bin.<suffix>``
+(newer llama-server saves context checkpoints as ``<stem>.bin.ckpt``): they belong
+to the slot file, are counted in its size on disk, and are moved, quarantined,
+evicted and deleted with it (``companions``).
 A small state file holds a table with one entry per slot: which session the
 slot holds, how many tokens, when it was last used. A restarted proxy, or a
 second worker, reads it to know what to save before the next swap. Each entry
@@ -19,6 +23,7 @@ slot over a session's file.
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import tempfile
@@ -41,6 +46,76 @@ LOCK_FILE = ".kvproxy.lock"     # slot 0's lock (the name older versions used fo
 TEMP_SUFFIX = ".saving.bin"     # a save in progress: <stem>.saving.bin
 PROBE_PREFIX = "probe."         # the start-up check's probe file: probe.<hex>.bin
 QUARANTINE_DIR = "quarantine"   # files that cannot be trusted, moved aside
+SLOT_SUFFIX = ".bin"            # a slot file; its companions are <name>.bin.<suffix>
+
+
+def companions(path: Path) -> list[Path]:
+    """The companion files llama-server wrote beside the slot file ``path``:
+    ``<path>.<suffix>`` (``<stem>.bin.ckpt``), whether or not ``path`` itself exists."""
+    path = Path(path)
+    try:
+        return sorted(p for p in path.parent.glob(f"{glob.escape(path.name)}.*")
+                      if p.is_file() and p.name != path.name)
+    except OSError:
+        return []
+
+
+def companion_suffixes(path: Path) -> dict[str, int]:
+    """``{suffix: bytes}`` of the companions of ``path`` (``{".ckpt": 1234}``)."""
+    found = {}
+    for companion in companions(path):
+        try:
+            found[companion.name[len(Path(path).name):]] = companion.stat().st_size
+        except OSError:
+            continue
+    return found
+
+
+def slot_file_of(name: str) -> str | None:
+    """The slot file a companion's name belongs to (``x.bin.ckpt`` -> ``x.bin``); None when
+    ``name`` is not a companion."""
+    cut = name.find(SLOT_SUFFIX + ".")
+    return name[:cut + len(SLOT_SUFFIX)] if cut > 0 else None
+
+
+def bytes_with_companions(path: Path) -> int:
+    """A slot file's bytes on disk with its companions' (0 for what is gone)."""
+    total = 0
+    for part in (Path(path), *companions(path)):
+        try:
+            total += part.stat().st_size
+        except OSError:
+            continue
+    return total
+
+
+def move_companions(src: Path, dst: Path, keep: set[str] | None = None) -> None:
+    """Rename the companions of ``src`` to those of ``dst`` (after ``src`` itself was renamed
+    to ``dst``). With ``keep`` (suffixes), companions of ``dst`` neither moved nor kept are
+    deleted then: what the file it replaced had. Run again after a crash, it finishes."""
+    moved = set()
+    for companion in companions(src):
+        suffix = companion.name[len(Path(src).name):]
+        os.replace(companion, Path(dst).with_name(Path(dst).name + suffix))
+        moved.add(suffix)
+    if keep is None:
+        return
+    wanted = moved | set(keep)
+    for companion in companions(dst):
+        if companion.name[len(Path(dst).name):] not in wanted:
+            companion.unlink(missing_ok=True)
+
+
+def unlink_with_companions(path: Path) -> bool:
+    """Delete a slot file, then its companions; False when none of them existed."""
+    removed = False
+    for part in (Path(path), *companions(path)):
+        try:
+            part.unlink()
+            removed = True
+        except FileNotFoundError:
+            pass
+    return removed
 
 
 
@@ -218,10 +293,15 @@ class SessionStore:
         return self.bin_path(stem).is_file()
 
     def bin_bytes(self, stem: str) -> int:
+        """The slot file's own size (what llama-server reports writing)."""
         try:
             return self.bin_path(stem).stat().st_size
         except FileNotFoundError:
             return 0
+
+    def disk_bytes(self, stem: str) -> int:
+        """What the slot file takes on disk: its size and its companions'."""
+        return bytes_with_companions(self.bin_path(stem))
 
     # -- sidecars ----------------------------------------------------------
     def read_sidecar(self, stem: str) -> dict | None:
@@ -245,24 +325,25 @@ class SessionStore:
         return sidecar
 
     def sidecars(self) -> list[dict]:
-        """Every sidecar in the folder, with the real size of its slot file."""
+        """Every sidecar in the folder, with the real size of its slot file on disk
+        (companions included)."""
         found = []
         for path in sorted(self.root.glob("*.json")):
             sidecar = migrate_sidecar(read_json(path))
             if sidecar:
-                sidecar["file_bytes"] = self.bin_bytes(path.stem)
+                sidecar["file_bytes"] = self.disk_bytes(path.stem)
                 found.append(sidecar)
         return found
 
     def delete(self, stem: str) -> bool:
-        """Remove a slot file and its sidecar; False when neither existed."""
-        removed = False
-        for path in (self.bin_path(stem), self.sidecar_path(stem)):
-            try:
-                path.unlink()
-                removed = True
-            except FileNotFoundError:
-                pass
+        """Remove a slot file, its companions and its sidecar (in that order: a crash leaves
+        what the start-up sweep deletes); False when none existed."""
+        removed = unlink_with_companions(self.bin_path(stem))
+        try:
+            self.sidecar_path(stem).unlink()
+            removed = True
+        except FileNotFoundError:
+            pass
         return removed
 
     # -- proxy state: one entry per slot ----------------------------------
