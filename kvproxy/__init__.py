@@ -53,7 +53,7 @@ def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
 
     check_slot_dir(settings.slot_dir)
     client = LlamaClient(settings.upstream, settings.connect_timeout, settings.read_timeout,
-                         settings.slot_action_timeout)
+                         settings.slot_action_timeout, api_key=settings.upstream_api_key)
     def make_switch(client: LlamaClient, store: SessionStore) -> SlotSwitch:
         return build_switch(settings, client, store)
     switch = make_switch(client, SessionStore(settings.slot_dir))
@@ -64,12 +64,12 @@ def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
     # whose open connection vouches for what the slot holds.
     app.extensions["kvproxy.contract"] = Contract(
         LlamaClient(settings.upstream, settings.connect_timeout, settings.read_timeout,
-                    settings.slot_action_timeout), switch)
+                    settings.slot_action_timeout, api_key=settings.upstream_api_key), switch)
     app.extensions["kvproxy.relay"] = Relay(settings, client, switch, models)
     app.wsgi_app = FreeHeldSlots(app.wsgi_app)
 
     from kvproxy.ops import admin, metrics, health as ops
-    from kvproxy.web import body_limit, guard
+    from kvproxy.web import body_limit, guard, users
     from kvproxy.web import anthropic, errors, llamacpp, ollama, openai, passthrough
     for blueprint in (ops.blueprint, openai.blueprint, ollama.blueprint, anthropic.blueprint,
                       llamacpp.blueprint, passthrough.blueprint):
@@ -79,6 +79,7 @@ def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
     api.register_blueprint(admin.slots_blueprint)
     body_limit.init_app(app)
     app.before_request(admin.require_token)  # after the body limit, as the routes' own checks
+    users.init_app(app)  # client API keys, where set
     guard.init_app(app)  # Host names, cross-site requests, admin content types
     errors.init_app(app, api)
     metrics.init_app(app)

@@ -87,6 +87,66 @@ def _node_name(value: str) -> str:
     return value
 
 
+# A user name as listings, logs and file names may show it.
+_USER_NAME = re.compile(r"[A-Za-z0-9_.@+-]{1,64}")
+MIN_KEY_CHARS = 16
+
+
+def _key_pair(key: str, user: str, where: str) -> tuple[str, str]:
+    key, user = key.strip(), user.strip()
+    if len(key) < MIN_KEY_CHARS or any(c.isspace() or not c.isprintable() for c in key):
+        raise ValueError(f"{where}: a key must be at least {MIN_KEY_CHARS} printable characters "
+                         "without spaces")
+    if not _USER_NAME.fullmatch(user):
+        raise ValueError(f"{where}: a user name must be 1 to 64 letters, digits or . _ @ + -")
+    return key, user
+
+
+def _add_keys(pairs: list[tuple[str, str]]) -> dict[str, str]:
+    keys: dict[str, str] = {}
+    for key, user in pairs:
+        if key in keys:
+            raise ValueError(f"the key of user {user!r} is also the key of user {keys[key]!r}")
+        keys[key] = user
+    return keys
+
+
+def _api_keys(value: str) -> dict[str, str]:
+    """``key=user`` pairs, comma-separated: the users' keys (never shown, never logged)."""
+    pairs = []
+    for n, part in enumerate((p for p in value.split(",") if p.strip()), 1):
+        key, sep, user = part.rpartition("=")
+        if not sep:
+            raise ValueError(f"pair {n}: expected key=user")
+        pairs.append(_key_pair(key, user, f"pair {n}"))
+    return _add_keys(pairs)
+
+
+def _api_keys_file(value: str) -> dict[str, str]:
+    """A file of ``user key`` lines (``#`` comments, blank lines); only its owner may read it."""
+    if not value.strip():
+        return {}
+    try:
+        mode = os.stat(value).st_mode
+        if mode & 0o077:
+            raise ValueError(f"{value} can be read or written by others (mode "
+                             f"{mode & 0o777:o}): chmod 600 it")
+        with open(value, encoding="utf-8") as file:
+            lines = file.read().splitlines()
+    except OSError as exc:
+        raise ValueError(f"{value}: {exc.strerror or exc}") from None
+    pairs = []
+    for n, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split()
+        if len(parts) != 2:
+            raise ValueError(f"line {n}: expected 'user key'")
+        pairs.append(_key_pair(parts[1], parts[0], f"line {n}"))
+    return _add_keys(pairs)
+
+
 def _log_level(value: str) -> str:
     return _choice("DEBUG", "INFO", "WARNING", "ERROR")(value.upper())
 
@@ -115,6 +175,19 @@ SETTINGS: tuple[Setting, ...] = (
             "With one slot: the llama-server slot kvproxy drives."),
     Setting("admin_token", "", str,
             "When set, the admin API (/api/sessions, /api/status) needs 'Authorization: Bearer <token>'."),
+    Setting("api_keys", "", _api_keys,
+            "Client API keys as key=user pairs, comma-separated (keys of 16 characters or more, "
+            "user names of letters, digits and . _ @ + -). When any key is set (here or in "
+            "KVPROXY_API_KEYS_FILE), every client route needs one, as llama-server's --api-key: "
+            "'Authorization: Bearer <key>' or 'x-api-key: <key>', else 401 in the API's own "
+            "error format; each user's sessions, files, base snapshots and listings are their "
+            "own. Needs KVPROXY_ADMIN_TOKEN. See docs/clients.md, 'Users and keys'."),
+    Setting("api_keys_file", "", _api_keys_file,
+            "A file of client API keys, one 'user key' line each ('#' comments); it must not be "
+            "readable by others (chmod 600). Read at start; adds to KVPROXY_API_KEYS."),
+    Setting("upstream_api_key", "", str,
+            "The key llama-server was started with (--api-key): sent as 'Authorization: "
+            "Bearer' on every call kvproxy makes to it, relayed ones included."),
     Setting("allowed_hosts", "host.docker.internal", _csv,
             "Host names kvproxy answers to besides loopback names (localhost), IP addresses and "
             "this machine's host name, comma-separated ('.example.com': it and every name under "
@@ -234,6 +307,8 @@ PROCESS_SETTINGS: tuple[Setting, ...] = (
             "Proxies whose X-Forwarded-Proto is believed, comma-separated."),
 )
 
+SECRETS = ("admin_token", "api_keys", "api_keys_file", "upstream_api_key")
+
 
 class Settings:
     """Parsed settings, read as attributes (``settings.slot_dir``)."""
@@ -242,7 +317,7 @@ class Settings:
         self.__dict__.update(values)
 
     def __repr__(self) -> str:
-        shown = {k: ("***" if k == "admin_token" and v else v) for k, v in self.__dict__.items()}
+        shown = {k: ("***" if k in SECRETS and v else v) for k, v in self.__dict__.items()}
         return f"Settings({shown})"
 
 
@@ -281,10 +356,28 @@ def _load(table: tuple[Setting, ...], environ: Mapping[str, str] | None,
         try:
             values[setting.name] = setting.parse(raw)
         except (ValueError, re.error) as exc:
-            raise ConfigError(f"{setting.env}={raw!r} is invalid: {exc}") from None
+            shown = "(hidden)" if setting.name in SECRETS and setting.name != "api_keys_file" \
+                else repr(raw)  # a key must not reach a log
+            raise ConfigError(f"{setting.env}={shown} is invalid: {exc}") from None
     if overrides:
         raise ConfigError("unknown settings: " + ", ".join(sorted(overrides)))
+    _merge_keys(values)
     return Settings(values)
+
+
+def _merge_keys(values: dict[str, Any]) -> None:
+    """Both sources of client keys as one table (``api_keys``); keys need the admin token,
+    else anyone could list and delete every user's sessions through the admin API."""
+    keys = dict(values.get("api_keys") or {})
+    for key, user in (values.get("api_keys_file") or {}).items():
+        if key in keys and keys[key] != user:
+            raise ConfigError(f"KVPROXY_API_KEYS_FILE gives user {user!r} the key of user "
+                              f"{keys[key]!r} in KVPROXY_API_KEYS")
+        keys[key] = user
+    values["api_keys"] = keys
+    if keys and not values.get("admin_token"):
+        raise ConfigError("KVPROXY_API_KEYS needs KVPROXY_ADMIN_TOKEN: without it anyone could "
+                          "list and delete every user's sessions through the admin API")
 
 
 def check_slot_dir(path: str) -> None:

@@ -266,6 +266,12 @@ Ollama's when none does, since Ollama's API owns `/`.
 `Authorization: Bearer <token>` ("yes": every method); a missing or wrong token is
 a 401 in the route's error shape.
 
+Client API keys: with `KVPROXY_API_KEYS` or `KVPROXY_API_KEYS_FILE` set, every route of
+the openai, anthropic, ollama, llama-server and passthrough families but `/` needs a
+user's key (`Authorization: Bearer <key>` or `x-api-key: <key>`), else 401 in the
+route's error shape; `GET /api/sessions` takes a user's key too and lists that user's
+sessions only (see [Users and keys](clients.md#users-and-keys)).
+
 ## Families
 
 {families_table()}

@@ -65,7 +65,7 @@ def test_an_api_key_is_a_failure(fake, tmp_path):
     fake.mock.replace(responses.GET, f"{UPSTREAM}/props", status=401,
                       json={"error": {"code": 401, "message": "Invalid API Key"}})
     status, checks = diagnose(tmp_path)
-    assert status == 2 and "--api-key" in checks["api key"].text
+    assert status == 2 and "KVPROXY_UPSTREAM_API_KEY" in checks["api key"].text
 
 
 def test_slot_saving_off_is_a_failure_naming_the_folder(fake, probe, tmp_path):

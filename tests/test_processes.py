@@ -43,6 +43,8 @@ def test_make_run_keeps_one_slot_and_its_ram_cache_by_default():
 
 def test_make_run_with_several_slots_turns_the_ram_cache_off():
     assert llama_layout({"LLAMA_SLOTS": "2"}) == (2, 8192, 0)
+    assert llama_layout({"KVPROXY_API_KEYS": "k=u"}) == (1, 8192, 0)  # shared by every user
+    assert llama_layout({"KVPROXY_API_KEYS_FILE": "/k", "LLAMA_CACHE_RAM": "64"})[2] == 64
     assert llama_layout({"LLAMA_SLOTS": "4", "LLAMA_CTX": "16384", "LLAMA_CACHE_RAM": "512"}) == \
         (4, 16384, 512)
 

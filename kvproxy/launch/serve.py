@@ -5,7 +5,8 @@ stay in memory and answer side by side, each with ``-c / LLAMA_SLOTS`` tokens of
 context. With several slots llama-server's own RAM prompt cache is off
 (``--cache-ram 0``): kvproxy pins every request to a slot and keeps the cache
 in slot files, and that cache has open bugs that put one conversation into
-another's slot. ``LLAMA_CACHE_RAM`` (MiB) overrides it. Waits until both
+another's slot. With client API keys it is off too: it is shared by every user.
+``LLAMA_CACHE_RAM`` (MiB) overrides it. Waits until both
 answer, prints where to point clients, and stops both on Ctrl-C or SIGTERM.
 
 It supervises them as a service manager would. llama-server is stopped only once
@@ -62,7 +63,10 @@ def llama_layout(environ) -> tuple[int, int, int]:
         if values[name] < low:
             raise ValueError(f"{name}={raw!r} is invalid: expected a whole number from {low}")
     slots = values["LLAMA_SLOTS"]
-    cache_ram = values.get("LLAMA_CACHE_RAM", SINGLE_SLOT_CACHE_RAM if slots == 1 else 0)
+    # With client keys, llama-server's RAM cache (shared by every user) is off by default.
+    keyed = bool(environ.get("KVPROXY_API_KEYS") or environ.get("KVPROXY_API_KEYS_FILE"))
+    cache_ram = values.get("LLAMA_CACHE_RAM", SINGLE_SLOT_CACHE_RAM if slots == 1 and not keyed
+                           else 0)
     return slots, values["LLAMA_CTX"], cache_ram
 
 

@@ -15,6 +15,8 @@ from flask_smorest import Blueprint, abort
 
 from kvproxy import routes
 from kvproxy.errors import ClientError
+from kvproxy.sessions.identity import owns
+from kvproxy.web import users
 
 blueprint = Blueprint("sessions", __name__, description="Saved llama-server slot sessions")
 slots_blueprint = Blueprint("slots", __name__,
@@ -138,17 +140,25 @@ def require_token() -> None:
     sent = request.headers.get("Authorization", "")
     if hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
         return
+    if route.endpoint == LISTING and users.listing_user() is not None:
+        return  # a user's key: the listing shows that user's sessions only
     if route.family == "admin" or request.method in ("GET", "HEAD"):
         raise ClientError("missing or wrong admin token: send 'Authorization: Bearer <token>'", 401)
     raise ClientError(f"{request.method} {request.path} changes llama-server for every client: "
                       "send 'Authorization: Bearer <admin token>'", 401)
 
 
+LISTING = "sessions.Sessions"  # GET /api/sessions: the admin token, or a user's key
+
+
 class Sessions(MethodView):
     @blueprint.response(200, SessionSchema(many=True))
     def get(self):
-        """List every saved session and base snapshot, from their sidecars."""
-        return [_as_listing(s) for s in _switch().store.sidecars()]
+        """List every saved session and base snapshot, from their sidecars; asked with a
+        user's API key instead of the admin token, that user's own only."""
+        user = users.listing_user()
+        return [_as_listing(s) for s in _switch().store.sidecars()
+                if user is None or owns(user, str(s.get("stem") or ""))]
 
 
 def _slot_arg(slot: int | None) -> int | None:

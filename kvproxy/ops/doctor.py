@@ -113,7 +113,7 @@ def diagnose(settings: Settings, flags: Flags | None, wait: float = 10) -> list[
     """Every check against the llama-server at ``settings.upstream``, in order."""
     url = settings.upstream
     client = LlamaClient(url, settings.connect_timeout, min(settings.read_timeout, 120),
-                         settings.slot_action_timeout)
+                         settings.slot_action_timeout, api_key=settings.upstream_api_key)
     checks: list[Check] = []
     try:
         props = client.props()
@@ -121,11 +121,11 @@ def diagnose(settings: Settings, flags: Flags | None, wait: float = 10) -> list[
         return [Check(FAIL, "reachable", f"{exc}: start it, or point --upstream "
                                          "(KVPROXY_UPSTREAM) at it")]
     except UpstreamError as exc:
-        if exc.status in (401, 403):
+        if exc.status in (401, 403) or getattr(exc, "unauthorized", False):
             return [Check(OK, "reachable", f"llama-server answers at {url}"),
-                    Check(FAIL, "api key", "llama-server asks for an API key (--api-key), which "
-                          "kvproxy does not send: start llama-server without --api-key and keep "
-                          "it on a private address (KVPROXY_ADMIN_TOKEN guards kvproxy's admin API)")]
+                    Check(FAIL, "api key", "llama-server asks for an API key (--api-key) that "
+                          "kvproxy does not send: set KVPROXY_UPSTREAM_API_KEY (--upstream-api-key) "
+                          "to it")]
         if exc.status == 503:
             return [Check(FAIL, "reachable", f"llama-server at {url} is still loading its model: "
                                              "run kvproxy doctor again once it is up")]
@@ -135,9 +135,12 @@ def diagnose(settings: Settings, flags: Flags | None, wait: float = 10) -> list[
     checks.append(Check(OK, "reachable", f"llama-server answers at {url} (build "
                                          f"{props.get('build_info') or 'unknown'})"))
     if flags is not None and flags.has("--api-key", "--api-key-file"):
-        checks.append(Check(FAIL, "api key", "llama-server runs with --api-key, which kvproxy "
-                            "does not send: start it without --api-key and keep it on a private "
-                            "address"))
+        checks.append(Check(OK, "api key", "llama-server runs with --api-key: kvproxy sends "
+                            "KVPROXY_UPSTREAM_API_KEY") if settings.upstream_api_key else
+                      Check(FAIL, "api key", "llama-server runs with --api-key: set "
+                            "KVPROXY_UPSTREAM_API_KEY (--upstream-api-key) to its key"))
+    elif settings.upstream_api_key:
+        checks.append(Check(OK, "api key", "kvproxy sends KVPROXY_UPSTREAM_API_KEY"))
     else:
         checks.append(Check(OK, "api key", "llama-server asks for no API key"))
     router = props.get("role") == "router"

@@ -56,11 +56,17 @@ def contract_problem(client: LlamaClient, switch) -> str | None:
     """Why kvproxy and llama-server disagree, or None. Run with the slot locked.
 
     Raises UpstreamUnavailable, or UpstreamError for a 5xx, when llama-server
-    cannot answer yet.
+    cannot answer yet. llama-server started with ``--api-key`` refusing kvproxy's key
+    (``/props`` and ``/health`` answer without one, ``/slots`` does not) is a mismatch.
     """
-    for _check, problem in contract_checks(client, switch):
-        if problem:
-            return problem
+    try:
+        for _check, problem in contract_checks(client, switch):
+            if problem:
+                return problem
+    except UpstreamError as exc:
+        if getattr(exc, "unauthorized", False):
+            return f"llama-server {exc.message}"
+        raise
     return None
 
 
@@ -145,7 +151,7 @@ class Contract:
             if not held:
                 return None
             problem = contract_problem(self.client, self.switch)
-            router = self.client.props().get("role") == "router"
+            router = problem is None and self.client.props().get("role") == "router"
             if problem is None and not self.passed and not router:
                 self.restore_verdict = prove_restores(self.switch, self.client)
         if problem and problem != self.problem:

@@ -38,6 +38,12 @@ _ESCAPED_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
 # Client ids are keyed under this prefix; internal keys (default, side, conv-..., sys-...,
 # base snapshots) never start with it, so no header or body value can name one of them.
 CLIENT_NAMESPACE = "client:"
+# With API keys, every key of a user's request is put under this prefix and the user's
+# name (``user:alice/client:chat-1#...``): no user can name another user's session, and no
+# client id can name a user's key (the prefix comes first, client ids after it).
+USER_NAMESPACE = "user:"
+# Sessions named without an id: without keys they are scoped by the client (``scoped``).
+ANONYMOUS_SOURCES = ("conversation-hash", "system-hash", "infill", "side-request", "default")
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,7 @@ class Session:
     system_hash: str | None = None
     key: str = ""
     model: str | None = None  # the model's tag (``model_tag``): a session is on one model
+    owner: str | None = None  # the user of the API key it was asked with (``scoped``)
 
     def __post_init__(self):
         if not self.key:
@@ -63,7 +70,8 @@ class Session:
 
     @property
     def stem(self) -> str:
-        return on_model(file_stem(self.key), self.model)
+        own = f"{owner_tag(self.owner)}." if self.owner else ""
+        return on_model(own + file_stem(self.key), self.model)
 
     def on_model(self, model: str | None) -> "Session":
         """This conversation on ``model``: its files carry the model's tag."""
@@ -119,6 +127,19 @@ def file_stem(session_id: str) -> str:
     """
     readable = re.sub(r"[^A-Za-z0-9_-]+", "_", session_id)[:48].strip("_-") or "session"
     return f"{readable}-{short_hash(session_id)}"
+
+
+def owner_tag(user: str) -> str:
+    """How a user's files start (``<tag>.<stem>``, base snapshots ``base.<tag>.<hash>``):
+    readable, and apart from every other user's by a hash of the whole name."""
+    readable = re.sub(r"[^A-Za-z0-9_-]+", "_", user)[:24].strip("_-") or "user"
+    return f"{readable}-{short_hash('user', user)}"
+
+
+def owns(user: str, stem: str) -> bool:
+    """Whether the file ``stem`` (a session's or a base snapshot's) is one of ``user``'s."""
+    tag = owner_tag(user) + "."
+    return stem.startswith(tag) or stem.startswith("base." + tag)
 
 
 def base_stem(system_hash: str, model: str | None = None) -> str:
@@ -187,6 +208,10 @@ def kind_of_key(key: str | None) -> str:
     """What kind of session a key names, for labels that must not identify a person."""
     if not key:
         return "none"
+    if key.startswith(USER_NAMESPACE):
+        key = key.partition("/")[2]
+    key = key.split(SCOPE_MARK, 1)[0] if key.split(SCOPE_MARK, 1)[0] in (
+        DEFAULT_SESSION, SIDE_SESSION) else key
     if key.startswith(CLIENT_NAMESPACE):
         return "client"
     for prefix, kind in (("conv-", "conversation"), ("sys-", "system")):
@@ -278,3 +303,34 @@ def resolve(headers: Mapping[str, str], body: Mapping[str, Any],
     if system:
         return Session("sys-" + system_hash, "system-hash", system_hash=system_hash)
     return Session(DEFAULT_SESSION, "default", persistent=False)
+
+
+# Between an unnamed session's key and the hash of the client it is scoped to.
+SCOPE_MARK = "~"
+
+
+def scoped(session: Session, *, user: str | None = None, client: str | None = None) -> Session:
+    """The session as one user (API keys) or, without keys, one client sees it.
+
+    ``user``: every key goes under the user's name, the files start with the user's tag
+    (``owner_tag``), and the system prompt's hash, which names its base snapshot, is the
+    user's own: no cached-token count ever reflects another user's text, not even a shared
+    system prompt's. ``client`` (what identifies a client without a key: its address and
+    user agent): sessions named without an id (``ANONYMOUS_SOURCES``) are that client's
+    alone, so two clients whose conversations start alike no longer share one; ids a client
+    names are left as they are (anyone who sends the id shares the session), and base
+    snapshots stay shared (they hold the system prompt alone).
+    """
+    if user:
+        system_hash = (f"{owner_tag(user)}.{short_hash(user, session.system_hash)}"
+                       if session.system_hash else None)
+        return dataclasses.replace(session, key=f"{USER_NAMESPACE}{user}/{session.key}",
+                                   system_hash=system_hash, owner=user)
+    if not client or session.source not in ANONYMOUS_SOURCES:
+        return session
+    mine = short_hash("client", client)
+    if session.source in ("conversation-hash", "system-hash"):
+        prefix, _, rest = session.id.partition("-")
+        name = f"{prefix}-{short_hash(mine, rest)}"
+        return dataclasses.replace(session, id=name, key=name)
+    return dataclasses.replace(session, key=f"{session.key}{SCOPE_MARK}{mine}")

@@ -46,9 +46,19 @@ _CLIENT_FAULTS = re.compile(r"Failed to parse|json\.exception\.(?:type_error|par
 RETRY_AFTER_DOWN = 5
 
 
+# llama-server started with --api-key refuses calls without its key: that is kvproxy's
+# setting to fix, not the client's key, so the client gets a 502 that says which.
+UPSTREAM_KEY_HINT = ("refused kvproxy's call (401 {message}): set "
+                     "KVPROXY_UPSTREAM_API_KEY to the --api-key llama-server was started with")
+
+
 def upstream_error(status: int, message: str) -> "UpstreamError":
     if status == 500 and _CLIENT_FAULTS.search(message):
         status = 400
+    if status == 401:
+        error = UpstreamError(502, UPSTREAM_KEY_HINT.format(message=message))
+        error.unauthorized = True
+        return error
     error = UpstreamError(status, message)
     if status == 503:  # loading the model: worth a retry
         error.retry_after = RETRY_AFTER_DOWN
@@ -126,9 +136,11 @@ class LlamaClient:
     """
 
     def __init__(self, base_url: str, connect_timeout: float = 5, read_timeout: float = 600,
-                 slot_action_timeout: float = 300, model: str | None = None):
+                 slot_action_timeout: float = 300, model: str | None = None,
+                 api_key: str = ""):
         self.base_url = base_url.rstrip("/")
         self.model = model
+        self.api_key = api_key
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.slot_action_timeout = slot_action_timeout
@@ -138,6 +150,8 @@ class LlamaClient:
         self.http.trust_env = False
         for prefix in ("http://", "https://"):
             self.http.mount(prefix, _Adapter())
+        if api_key:  # llama-server started with --api-key: every call, relayed ones too
+            self.http.headers["Authorization"] = f"Bearer {api_key}"
         self._witness: tuple[Any, Any] | None = None
 
     def _request(self, method: str, path: str, *, read_timeout: float | None = None,
@@ -223,7 +237,7 @@ class LlamaClient:
     def for_model(self, model: str) -> "LlamaClient":
         """A client of the same server for one model behind its router."""
         return LlamaClient(self.base_url, self.connect_timeout, self.read_timeout,
-                           self.slot_action_timeout, model=model)
+                           self.slot_action_timeout, model=model, api_key=self.api_key)
 
     def _named(self, body: dict) -> dict:
         return {**body, "model": self.model} if self.model else body

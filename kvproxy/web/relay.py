@@ -24,6 +24,7 @@ from kvproxy.slots.models import ModelSwitches, is_loaded, pick_model
 from kvproxy.slots.switch import SlotSwitch
 from kvproxy.slots.unpinned import protect_other_slots
 from kvproxy.translate import usage
+from kvproxy.web import users
 
 MODEL_FACTS_TTL = 10.0
 
@@ -233,6 +234,12 @@ class Relay:
         self._facts_lock = threading.Lock()
 
     def session_for(self, call: ChatCall, stream: bool) -> identity.Session:
+        """The request's session, as its user (API keys) or its client sees it
+        (``identity.scoped``, ``kvproxy.web.users``)."""
+        user, client = users.request_scope()
+        return identity.scoped(self._named_session(call, stream), user=user, client=client)
+
+    def _named_session(self, call: ChatCall, stream: bool) -> identity.Session:
         if call.side:
             return identity.Session(identity.SIDE_SESSION, "side-request", persistent=False)
         if call.session is not None:
