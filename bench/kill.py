@@ -4,7 +4,8 @@ A conversation runs turn after turn on the real llama-server behind kvproxy unde
 gunicorn, each with the default background saves (``KVPROXY_SAVE_BEHIND``). After
 each turn has settled, llama-server, kvproxy or both are killed with SIGKILL at a
 random moment and started again; the conversation's next turn must be restored from
-its file with every token of its last turn's prompt reused. At the end, every slot
+its file (or, when only kvproxy was killed, found still in the slot) with every token of
+its last turn's prompt reused. At the end, every slot
 file must match its sidecar. Prints one line a round and the figures.
 """
 from __future__ import annotations
@@ -38,7 +39,9 @@ class Round:
 
     @property
     def kept(self) -> bool:
-        return self.cache == "restored" and self.reused >= self.last_prompt - 1
+        """Every token of the last turn's prompt reused: restored from the file, or still in
+        the slot (only kvproxy was killed: llama-server kept it, and kvproxy proves it)."""
+        return self.cache in ("restored", "hit") and self.reused >= self.last_prompt - 1
 
 
 class Conversation:

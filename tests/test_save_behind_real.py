@@ -19,4 +19,5 @@ def test_a_settled_turn_survives_sigkill_of_llama_server_kvproxy_or_both(tmp_pat
     results, problems = run_rounds(tmp_path, rounds=3, cycle=True)
     assert [r.victim for r in results] == ["llama-server", "kvproxy", "both"]
     assert all(r.kept for r in results), results
+    assert [r.cache for r in results] == ["restored", "hit", "restored"], results
     assert problems == []

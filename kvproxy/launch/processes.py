@@ -195,7 +195,7 @@ class LlamaServer:
                  ctx_size: int = 8192, cache_ram_mib: int | None = 16384,
                  extra_args: list[str] | None = None, log_path: str | None = None,
                  slots: int = 1, swa_full: bool | None = None, models_dir: str | None = None,
-                 models_max: int | None = None, die_with_parent: bool = False):
+                 models_max: int | None = None, die_with_parent: bool = True):
         if slots < 1:
             raise ValueError("slots must be at least 1")
         self.slot_dir = slot_dir
@@ -258,7 +258,7 @@ class ProxyServer:
 
     def __init__(self, upstream: str, slot_dir: str, port: int | None = None,
                  log_path: str | None = None, env: dict[str, str] | None = None,
-                 wsgi_app: str = "wsgi:app", die_with_parent: bool = False):
+                 wsgi_app: str = "wsgi:app", die_with_parent: bool = True):
         self.upstream = upstream
         self.slot_dir = slot_dir
         self.port = port or free_port()
