@@ -221,12 +221,17 @@ SETTINGS: tuple[Setting, ...] = (
             "thread meanwhile."),
     Setting("session_headers",
             "X-Session-Id,X-Conversation-Id,Session-Id,Conversation-Id,"
-            "X-OpenWebUI-Chat-Id,X-Claude-Code-Session-Id", _csv,
+            "X-OpenWebUI-Chat-Id,X-Claude-Code-Session-Id,X-Session-Affinity", _csv,
             "Request headers that name a session, in priority order."),
     Setting("anonymous_sessions", "conversation", _choice("conversation", "system"),
             "How a request without any id is grouped: 'conversation' (system prompt plus first user "
             "message: each conversation keeps its own cache) or 'system' (system prompt only: the "
             "original design's shared sys-<hash> slot)."),
+    Setting("match_min_tokens", "512", _number(0, 1e9, whole=True),
+            "A request without any id continues (or forks from) the saved conversation of its "
+            "client it shares the longest start with, when that start is at least this many "
+            "tokens (counted as 4 characters each, without a tokenizer); 0: keyed by its "
+            "first messages alone."),
     Setting("base_snapshots", "true", _bool,
             "Start a new session from a saved snapshot of a system prompt seen before."),
     Setting("save_behind", "true", _bool,

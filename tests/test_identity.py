@@ -19,7 +19,7 @@ def resolve(headers=None, body=None, messages=None, stream=True, anonymous="conv
 
 @pytest.mark.parametrize("header", ["X-Session-Id", "X-Conversation-Id", "Session-Id",
                                     "Conversation-Id", "X-OpenWebUI-Chat-Id",
-                                    "X-Claude-Code-Session-Id"])
+                                    "X-Claude-Code-Session-Id", "X-Session-Affinity"])
 def test_each_header_names_the_session(header):
     session = resolve(headers={header: "abc-1"}, body={"session_id": "body"})
     assert (session.id, session.source) == ("abc-1", f"header:{header}")

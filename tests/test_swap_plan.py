@@ -174,3 +174,26 @@ def test_a_hit_writes_its_last_use_alone_at_most_once_a_second_and_only_with_sev
                         since_written=0.5).state is None
     assert after_answer(same, A, HIT, 40, True, "t2", several_slots=True,
                         since_written=1.0).state == replace(same, used_at="t2")
+
+
+def test_a_fork_restores_the_file_it_was_forked_from_and_is_recorded_as_itself():
+    fork = Session("F", "conversation-hash", system_hash="sysB", key="kF", seed="kC")
+    seed = saved(fork.seed_stem)
+    actions = plan_swap(facts(session=fork, own=FileFacts(fork.stem), seed=seed,
+                              base=saved(base_stem("sysB"))))
+    assert actions == [Save(0, HOLDS_A), Claim(0, fork), Restore(0, seed.stem, RESTORED),
+                       Restore(0, base_stem("sysB"), BASE), Erase(0), Record(0, fork)]
+    own_first = plan_swap(facts(session=fork, own=saved(fork.stem), seed=seed))
+    assert [a.stem for a in own_first if isinstance(a, Restore)] == [fork.stem, seed.stem]
+    other = saved(fork.seed_stem, made_by={"model_path": "other.gguf"})
+    assert not [a for a in plan_swap(facts(session=fork, seed=other)) if isinstance(a, Restore)]
+    assert fork.seed_stem != fork.stem and fork.seed_stem == Session("C", "x", key="kC").stem
+
+
+def test_a_fork_takes_over_the_slot_that_holds_its_seed_after_saving_it():
+    from kvproxy.slots.plan import Adopt
+    fork = Session("F", "conversation-hash", system_hash="sysA", key="kF", seed="kA")
+    actions = plan_swap(facts(session=fork, own=FileFacts(fork.stem), seed=FileFacts(A.stem)))
+    assert actions == [Save(0, HOLDS_A), Claim(0, fork), Adopt(0, A.stem, 40), Record(0, fork)]
+    unknown = plan_swap(facts(session=fork, view=UNKNOWN, seed=saved(A.stem)))
+    assert not [a for a in unknown if isinstance(a, Adopt)], "only a slot proven to hold it"

@@ -63,6 +63,11 @@ class Session:
     key: str = ""
     model: str | None = None  # the model's tag (``model_tag``): a session is on one model
     owner: str | None = None  # the user of the API key it was asked with (``scoped``)
+    # A new conversation forked from a saved one (``matching``): the key of that one, whose
+    # file starts this session's slot (restored, never saved over).
+    seed: str | None = None
+    # What this request's prompt records in the session's sidecar (``matching.Trail.record``).
+    trail: dict | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if not self.key:
@@ -72,6 +77,14 @@ class Session:
     def stem(self) -> str:
         own = f"{owner_tag(self.owner)}." if self.owner else ""
         return on_model(own + file_stem(self.key), self.model)
+
+    @property
+    def seed_stem(self) -> str | None:
+        """The file of the conversation this one was forked from (same owner, same model)."""
+        if not self.seed:
+            return None
+        own = f"{owner_tag(self.owner)}." if self.owner else ""
+        return on_model(own + file_stem(self.seed), self.model)
 
     def on_model(self, model: str | None) -> "Session":
         """This conversation on ``model``: its files carry the model's tag."""

@@ -9,6 +9,8 @@ llama-server that existed when each slot was last recorded (its "witness").
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import time
 from dataclasses import dataclass
@@ -17,7 +19,8 @@ from typing import Any, Protocol
 from kvproxy.ops import metrics
 from kvproxy.sessions.identity import Session, base_stem
 from kvproxy.slots import plan
-from kvproxy.slots.plan import (BASE, FILLING, MISS, Action, Claim, Erase, FileFacts, KeepFile,
+from kvproxy.slots.plan import (BASE, FILLING, MISS, RESTORED, Action, Adopt, Claim, Erase,
+                                FileFacts, KeepFile,
                                 MakeBase, Record, Refuse, Restore, Save, SwapFacts)
 from kvproxy.slots.state import Phase, SlotState, SlotTable, claimed_for, filled_with
 from kvproxy.storage import disk
@@ -148,11 +151,12 @@ class SlotExecutor:
         own = self.file_facts(session.stem) if session.persistent else None
         base = self.file_facts(base_stem(session.system_hash, session.model)) \
             if session.persistent and session.system_hash and base_snapshots else None
+        seed = self.file_facts(session.seed_stem) \
+            if session.persistent and session.seed else None
         facts = SwapFacts(slot, state, session, view, made_by, restoring_off, own, base,
-                          None, base_snapshots, has_prompt)
+                          None, base_snapshots, has_prompt, seed)
         if plan.needs_slot_size(facts):
-            facts = SwapFacts(slot, state, session, view, made_by, restoring_off, own, base,
-                              self.slot_n_ctx(slot), base_snapshots, has_prompt)
+            facts = dataclasses.replace(facts, n_ctx=self.slot_n_ctx(slot))
         return facts
 
     # -- carrying out a plan -------------------------------------------------
@@ -189,6 +193,8 @@ class SlotExecutor:
                 tokens = self.restore(action.stem, action.slot, made_by)
                 if tokens is not None:
                     filled, restored = Filled(action.cache, tokens, action.stem), True
+            elif isinstance(action, Adopt):
+                filled, restored = Filled(RESTORED, action.tokens, action.stem), True
             elif isinstance(action, Erase):
                 self.touch(action.slot)
                 self.erase(action.slot)

@@ -90,6 +90,7 @@ class SwapFacts:
     n_ctx: int | None = None       # the slot's context, from /slots
     base_snapshots: bool = True    # KVPROXY_BASE_SNAPSHOTS
     has_prompt: bool = False       # the request's prompt can be tokenized (a base can be made)
+    seed: FileFacts | None = None  # a forked session's: the file of the one it forked from
 
 
 @dataclass(frozen=True)
@@ -147,13 +148,22 @@ class MakeBase:
 
 
 @dataclass(frozen=True)
+class Adopt:
+    """A fork's slot holds the conversation it was forked from (``stem``, ``tokens``):
+    llama-server reuses the shared start as it is, nothing is restored."""
+    slot: int
+    stem: str
+    tokens: int
+
+
+@dataclass(frozen=True)
 class Record:
     """The slot holds the session now, with what the filling left in it."""
     slot: int
     session: Session
 
 
-Action = Union[Save, KeepFile, Claim, Refuse, Restore, Erase, MakeBase, Record]
+Action = Union[Save, KeepFile, Claim, Refuse, Restore, Erase, MakeBase, Adopt, Record]
 # The actions that fill the slot: the first Restore that succeeds ends them.
 FILLING = (Refuse, Restore, Erase, MakeBase)
 
@@ -184,13 +194,26 @@ def restore_problem(file: FileFacts, made_by: dict, n_ctx: int | None, slot: int
 
 
 def candidates(facts: SwapFacts) -> list[tuple[FileFacts, str]]:
-    """The files to try, in order: the session's own, then its system prompt's base."""
+    """The files to try, in order: the session's own, the file it was forked from (its
+    ``seed``: restored, never saved over, the slot is then this session's), then its system
+    prompt's base."""
     if not facts.session.persistent or facts.restoring_off:
         return []
     found = [(facts.own, RESTORED)] if facts.own else []
+    if facts.seed:  # a fork starts from the conversation it shares its start with
+        found.append((facts.seed, RESTORED))
     if facts.base_snapshots and facts.session.system_hash and facts.base:
         found.append((facts.base, BASE))
     return found
+
+
+def holds_seed(facts: SwapFacts) -> bool:
+    """A fork whose slot provably holds the conversation it was forked from (saved first
+    when it has turns its file lacks): the slot is taken over as it is."""
+    state, session = facts.state, facts.session
+    return bool(session.seed and session.persistent and state.key == session.seed
+                and facts.view == OURS and state.trusted and state.tokens > 0
+                and state.stem)
 
 
 def wants_base(facts: SwapFacts) -> bool:
@@ -224,6 +247,8 @@ def plan_swap(facts: SwapFacts) -> list[Action]:
         else:
             actions.append(KeepFile(slot, state, facts.view, facts.restoring_off))
     actions.append(Claim(slot, facts.session))
+    if holds_seed(facts):
+        return actions + [Adopt(slot, state.stem, state.tokens), Record(slot, facts.session)]
     for file, cache in candidates(facts):
         refused = restore_problem(file, facts.made_by, facts.n_ctx, slot)
         if refused is None:
@@ -349,6 +374,8 @@ def too_big(n_tokens: object, slot_n_ctx: int | None) -> str | None:
 def incoming_stems(session: Session) -> set[str]:
     """Files a swap to ``session`` may restore: eviction must not delete them."""
     stems = {session.stem}
+    if session.seed:
+        stems.add(session.seed_stem)
     if session.system_hash:
         stems.add(base_stem(session.system_hash, session.model))
     return stems

@@ -423,7 +423,8 @@ class SlotSwitch:
             self.store.update_sidecar(session.stem, {"session_id": session.id, "kind": "session"},
                                       count="hits", session_id=session.id,
                                       last_used_at=now_iso(), last_cache=lease.cache,
-                                      last_cache_n=cache_n, last_prompt_n=prompt_n)
+                                      last_cache_n=cache_n, last_prompt_n=prompt_n,
+                                      **({"trail": session.trail} if session.trail else {}))
 
     def _held_after_cut(self, slot: int) -> int:
         """An answer that ended without timings (cut short at shutdown, client gone): ask

@@ -7,6 +7,7 @@ exchange and tells the switch what the answer's timings showed.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -16,7 +17,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from kvproxy.errors import ClientError, ClientGone, KvproxyError
 from kvproxy.errors import ShuttingDown  # imported from here too
-from kvproxy.sessions import identity
+from kvproxy.sessions import identity, matching
 from kvproxy.config import Settings
 from kvproxy.upstream.llama import LlamaClient, UpstreamError, UpstreamUnavailable, sse_events
 from kvproxy.slots.lease import Lease
@@ -232,12 +233,32 @@ class Relay:
         self.models = models or ModelSwitches(client, switch, None)
         self._facts: tuple[float, dict] | None = None
         self._facts_lock = threading.Lock()
+        self._trails: dict[str, matching.TrailIndex] = {}  # per slot folder
 
-    def session_for(self, call: ChatCall, stream: bool) -> identity.Session:
+    def session_for(self, call: ChatCall, stream: bool,
+                    switch: SlotSwitch | None = None) -> identity.Session:
         """The request's session, as its user (API keys) or its client sees it
-        (``identity.scoped``, ``kvproxy.web.users``)."""
+        (``identity.scoped``, ``kvproxy.web.users``); a conversation without an id is
+        followed by what it shares with this user's or client's saved ones (``matching``)."""
         user, client = users.request_scope()
-        return identity.scoped(self._named_session(call, stream), user=user, client=client)
+        named = self._named_session(call, stream)
+        session = identity.scoped(named, user=user, client=client)
+        if named.source != "conversation-hash":
+            return session
+        min_chars = self.settings.match_min_tokens * matching.CHARS_PER_TOKEN
+        if min_chars <= 0:
+            return session
+        root = (switch or self.switch).store.root
+        index = self._trails.get(str(root))
+        if index is None:
+            index = self._trails.setdefault(str(root), matching.TrailIndex(root))
+        scope = matching.scope_of(user, client)
+        trail = matching.trail_of(call.messages, call.body.get("tools"))
+
+        def rescope(session_id: str) -> identity.Session:
+            return identity.scoped(dataclasses.replace(named, id=session_id, key=session_id),
+                                   user=user, client=client)
+        return matching.follow(session, trail, index.records(scope), scope, min_chars, rescope)
 
     def _named_session(self, call: ChatCall, stream: bool) -> identity.Session:
         if call.side:
@@ -290,7 +311,7 @@ class Relay:
     def _acquire(self, call: ChatCall, stream: bool) -> tuple[SlotSwitch, LlamaClient, Lease]:
         self.check_fits(call)
         switch, client = self.models.route(call.model or call.body.get("model"))
-        lease = switch.acquire(self.session_for(call, stream=stream),
+        lease = switch.acquire(self.session_for(call, stream=stream, switch=switch),
                                still_wanted=call.still_wanted, prompt=Prompt(client, call))
         return switch, client, lease
 

@@ -1,0 +1,211 @@
+"""Conversations without an id, followed by what they share with saved ones: the matching
+rules from trails alone, and through the app against the llama-server stub."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import responses
+
+from kvproxy import create_app
+from kvproxy.sessions import matching
+from kvproxy.sessions.identity import Session
+from tests.fake_llama import UPSTREAM, FakeLlama
+
+SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 40}
+EXAMPLES = [{"role": "user", "content": "Example question, with its worked answer. " * 60},
+            {"role": "assistant", "content": "The example's answer, step by step. " * 60}]
+MIN_CHARS = 512 * matching.CHARS_PER_TOKEN
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def assistant(text):
+    return {"role": "assistant", "content": text}
+
+
+def record(messages, sid="conv-a", scope="s"):
+    return matching.trail_of(messages).record(Session(sid, "conversation-hash"), scope)
+
+
+def test_canonical_holds_roles_text_and_tool_calls_and_the_trail_no_text():
+    plain = [user("hi")]
+    called = [{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]
+    assert matching.canonical(plain) != matching.canonical([assistant("hi")])
+    assert matching.canonical(called) != matching.canonical([assistant("")])
+    assert matching.canonical([user([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}])]) \
+        == matching.canonical([user("ab")])
+    trail = matching.trail_of([SYSTEM, user("secret words " * 100)])
+    assert "secret" not in json.dumps(trail.record(Session("conv-x", "conversation-hash"), "s"))
+
+
+def test_a_later_turn_continues_the_conversation_it_extends():
+    turn1 = [SYSTEM, *EXAMPLES, user("What is a monad?")]
+    saved = record(turn1)
+    turn2 = turn1 + [assistant("A monoid in the category of endofunctors."), user("Simpler?")]
+    found = matching.decide(matching.trail_of(turn2), [saved], MIN_CHARS)
+    assert found.kind == matching.CONTINUE and found.record["id"] == "conv-a"
+    same = matching.decide(matching.trail_of(turn1), [saved], MIN_CHARS)
+    assert same.kind == matching.CONTINUE, "a resent or regenerated turn is the same conversation"
+
+
+def test_a_part_moved_from_the_first_message_to_the_newest_keeps_the_conversation():
+    body = {"type": "text", "text": "Please refactor this module. " * 300}
+    reminder = {"type": "text", "text": "<system-reminder>Today is 2026-12-04.</system-reminder>" * 5}
+    turn1 = [SYSTEM, user([body, reminder])]
+    turn2 = [SYSTEM, user([body]), assistant("Done."), user([reminder, {"type": "text", "text": "next"}])]
+    found = matching.decide(matching.trail_of(turn2), [record(turn1)], MIN_CHARS)
+    assert found.kind == matching.CONTINUE
+
+
+def test_a_new_chat_behind_the_same_examples_forks_instead_of_merging():
+    chat_a = [SYSTEM, *EXAMPLES, user("First real question about ducks.")]
+    chat_b = [SYSTEM, *EXAMPLES, user("Another question, about geese.")]
+    found = matching.decide(matching.trail_of(chat_b), [record(chat_a)], MIN_CHARS)
+    assert found.kind == matching.FORK
+    edited = [SYSTEM, user("An edited first message. " * 200), assistant("ok"), user("more")]
+    long_a = [SYSTEM, user("The original first message. " * 200), assistant("ok"), user("x")]
+    assert matching.decide(matching.trail_of(edited), [record(long_a)], MIN_CHARS) is None \
+        or matching.decide(matching.trail_of(edited), [record(long_a)], MIN_CHARS).kind == matching.FORK
+
+
+def test_the_longest_shared_start_wins_and_short_ones_are_not_worth_it():
+    chat_a = [SYSTEM, *EXAMPLES, user("ducks")]
+    chat_b = [SYSTEM, *EXAMPLES, user("geese " * 200)]
+    records = [record(chat_a, "conv-a"), record(chat_b, "conv-b")]
+    later_b = chat_b + [assistant("honk"), user("and swans?")]
+    found = matching.decide(matching.trail_of(later_b), records, MIN_CHARS)
+    assert (found.kind, found.record["id"]) == (matching.CONTINUE, "conv-b")
+    assert matching.decide(matching.trail_of(later_b), list(reversed(records)), MIN_CHARS) == found
+    short = [user("hi there")]
+    assert matching.decide(matching.trail_of(short + [assistant("x"), user("y")]),
+                           [record(short)], MIN_CHARS) is None
+
+
+def test_follow_forks_to_a_new_id_seeded_from_the_saved_conversation():
+    chat_a = [SYSTEM, *EXAMPLES, user("ducks")]
+    chat_b = [SYSTEM, *EXAMPLES, user("geese")]
+    saved = record(chat_a, "conv-a")
+    plain = Session("conv-a", "conversation-hash", system_hash="h")  # same first messages
+
+    def rescope(session_id):
+        return Session(session_id, "conversation-hash", system_hash="h")
+    forked = matching.follow(plain, matching.trail_of(chat_b), [saved], "s", MIN_CHARS, rescope)
+    assert forked.id != "conv-a" and forked.seed == "conv-a"
+    assert forked.trail["id"] == forked.id and forked.trail["scope"] == "s"
+    again = matching.follow(plain, matching.trail_of(chat_b), [saved], "s", MIN_CHARS, rescope)
+    assert again.id == forked.id, "deterministic"
+    later = matching.follow(plain, matching.trail_of(chat_b + [assistant("honk"), user("more")]),
+                            [saved, forked.trail], "s", MIN_CHARS, rescope)
+    assert later.id == forked.id and later.seed is None
+
+
+def test_the_index_reads_only_its_scope_and_rereads_changed_sidecars(tmp_path):
+    chat = [SYSTEM, *EXAMPLES, user("ducks")]
+    (tmp_path / "a@m.json").write_text(json.dumps({"trail": record(chat, "conv-a", "mine")}))
+    (tmp_path / "b@m.json").write_text(json.dumps({"trail": record(chat, "conv-b", "theirs")}))
+    (tmp_path / "c@m.json").write_text("{not json")
+    index = matching.TrailIndex(tmp_path)
+    assert [r["id"] for r in index.records("mine")] == ["conv-a"]
+    (tmp_path / "a@m.json").write_text(json.dumps({"trail": record(chat, "conv-a2", "mine")}))
+    assert [r["id"] for r in index.records("mine")] == ["conv-a2"]
+
+
+# -- through the app, against the stub --------------------------------------------------
+@pytest.fixture
+def app_and_fake(tmp_path):
+    with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
+        fake = FakeLlama(mock, tmp_path)
+        app = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM, "lock_timeout": 2,
+                          "base_snapshots": False, "save_behind": False})
+        yield app, fake
+
+
+def chat(client, messages, agent="agent/1", **headers):
+    reply = client.post("/v1/chat/completions", json={"messages": messages},
+                        headers={"User-Agent": agent, **headers})
+    assert reply.status_code == 200, reply.get_data(as_text=True)
+    return reply.headers["X-KVProxy-Session"], reply.headers["X-KVProxy-Cache"]
+
+
+def test_interleaved_chats_behind_the_same_examples_keep_their_own_sessions(app_and_fake):
+    app, fake = app_and_fake
+    client = app.test_client()
+    chats = {name: [SYSTEM, *EXAMPLES, user(f"My real question is about {name}. " * 5)]
+             for name in ("ducks", "geese", "swans")}
+    first = {name: chat(client, msgs)[0] for name, msgs in chats.items()}
+    assert len(set(first.values())) == 3, first
+    restores = [a for a in fake.slot_actions if a[1] == "restore"]
+    assert restores, "the second and third chats start from the first one's file"
+    for turn in range(2):
+        for name in chats:
+            chats[name] += [assistant("ok"), user(f"turn {turn} of {name}")]
+            session, cache = chat(client, chats[name])
+            assert session == first[name]
+            assert cache == "restored"
+            assert fake.slot_actions[-1][1:] == ("restore", f"{_stem(app, session)}.bin")
+
+
+def _stem(app, session_id):
+    from pathlib import Path
+    slot_dir = Path(app.config["KVPROXY"].slot_dir)
+    found = [p.stem for p in slot_dir.glob("*.json")
+             if json.loads(p.read_text()).get("session_id") == session_id]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_a_fork_never_saves_over_the_file_it_started_from(app_and_fake):
+    app, fake = app_and_fake
+    client = app.test_client()
+    a = [SYSTEM, *EXAMPLES, user("ducks")]
+    b = [SYSTEM, *EXAMPLES, user("geese")]
+    sa, _ = chat(client, a)
+    sb, cache = chat(client, b)
+    assert sa != sb and cache == "restored"
+    stem_a = _stem(app, sa)
+    saves = [name for _, action, name in fake.slot_actions if action == "save"]
+    assert [n for n in saves if n and n.startswith(stem_a)], "the first chat saved before the fork"
+    chat(client, a + [assistant("ok"), user("more")])  # back to a: b is saved to its own file
+    saves = [name for _, action, name in fake.slot_actions if action == "save"]
+    assert any(n and n.startswith(_stem(app, sb)) for n in saves)
+    assert sum(1 for n in saves if n and n.startswith(stem_a)) == 1
+
+
+def test_another_client_never_follows_a_conversation_it_did_not_have(app_and_fake):
+    app, fake = app_and_fake
+    client = app.test_client()
+    a = [SYSTEM, *EXAMPLES, user("ducks")]
+    sa, _ = chat(client, a, agent="one")
+    sb, cache = chat(client, a + [assistant("ok"), user("more")], agent="two")
+    assert sa != sb
+    assert not [x for x in fake.slot_actions if x[1] == "restore"], "nothing of the other client"
+
+
+def test_matching_off_keeps_the_first_messages_key(tmp_path):
+    with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
+        FakeLlama(mock, tmp_path)
+        app = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM, "lock_timeout": 2,
+                          "base_snapshots": False, "save_behind": False, "match_min_tokens": 0})
+        client = app.test_client()
+        a = chat(client, [SYSTEM, *EXAMPLES, user("ducks")])[0]
+        b = chat(client, [SYSTEM, *EXAMPLES, user("geese")])[0]
+        assert a == b, "as before: keyed on the system prompt and first user message"
+
+
+def test_short_conversations_keep_their_key_unless_another_already_has_it():
+    plain = Session("conv-a", "conversation-hash")
+    short = [user("hi"), ]
+    saved = record(short, "conv-a")
+
+    def rescope(session_id):
+        return Session(session_id, "conversation-hash")
+    again = matching.follow(plain, matching.trail_of(short + [assistant("x"), user("y")]),
+                            [saved], "s", MIN_CHARS, rescope)
+    assert again.id == "conv-a" and again.seed is None
+    other = matching.follow(plain, matching.trail_of([user("hi"), assistant("z"), user("w")]),
+                            [record(short + [assistant("x"), user("y")], "conv-a")], "s",
+                            MIN_CHARS, rescope)
+    assert other.id != "conv-a" and other.seed is None
