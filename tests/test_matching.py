@@ -209,3 +209,22 @@ def test_short_conversations_keep_their_key_unless_another_already_has_it():
                             [record(short + [assistant("x"), user("y")], "conv-a")], "s",
                             MIN_CHARS, rescope)
     assert other.id != "conv-a" and other.seed is None
+
+
+def test_a_short_conversation_reshaped_on_a_later_turn_keeps_its_session():
+    """Under the length worth a restore: a later turn whose first message lost a part keeps
+    the session of its first messages' key, as before matching; a new chat of that key does
+    not (a short fixed opening)."""
+    first = user([{"type": "text", "text": "Fix the bug."},
+                  {"type": "text", "text": "<system-reminder>today</system-reminder>"}])
+    session = Session("conv-a", "conversation-hash", key="conv-a")
+    saved = matching.trail_of([first]).record(session, "s")
+    later = [user([{"type": "text", "text": "Fix the bug."}]), assistant("Done."),
+             user("<system-reminder>today</system-reminder> and now?")]
+    kept = matching.follow(session, matching.trail_of(later), [saved], "s", MIN_CHARS,
+                           lambda sid: Session(sid, "conversation-hash", key=sid))
+    assert kept.id == "conv-a" and kept.seed is None
+    other = matching.follow(session, matching.trail_of([user("Fix the bug, another one.")]),
+                            [saved], "s", MIN_CHARS,
+                            lambda sid: Session(sid, "conversation-hash", key=sid))
+    assert other.id != "conv-a"

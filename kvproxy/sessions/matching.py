@@ -225,8 +225,11 @@ def follow(session: Session, trail: Trail, records: list[dict], scope: str, min_
                                        system_hash=record.get("system_hash"))
         return dataclasses.replace(followed, trail=trail.record(followed, scope))
     # The key of its first messages is another conversation's when that one's prompt is not
-    # where this one starts (a short fixed opening, under the length worth a restore).
-    taken = any(r.get("key") == session.key and not trail.starts_with(r) for r in records)
+    # where this one starts (a short fixed opening, under the length worth a restore) and
+    # this is no later turn of it: a later turn keeps the key's session, as before matching
+    # (a client that moved a part of its first message to the newest one).
+    taken = any(r.get("key") == session.key and not trail.starts_with(r)
+                and trail.messages <= int(r.get("messages") or 0) for r in records)
     if found is None and not taken:
         return dataclasses.replace(session, trail=trail.record(session, scope))
     # A new conversation behind a saved one's start: its own session, never that one's.
