@@ -23,6 +23,7 @@ from pathlib import Path
 
 import requests
 
+from bench.soak import files_match_sidecars
 from kvproxy.launch.processes import LlamaServer, ProxyServer
 
 VICTIMS = ("llama-server", "kvproxy", "both")
@@ -97,20 +98,6 @@ def kill(process) -> None:
     process.wait(10)
 
 
-def mismatched_files(slot_dir: Path) -> list[str]:
-    """Slot files whose sidecar is missing or names another size."""
-    problems = []
-    for path in sorted(slot_dir.glob("*.bin")):
-        sidecar = path.with_suffix(".json")
-        if not sidecar.exists():
-            problems.append(f"{path.name}: no sidecar")
-            continue
-        expected = json.loads(sidecar.read_text()).get("saved_bytes")
-        if expected != path.stat().st_size:
-            problems.append(f"{path.name}: {path.stat().st_size} bytes, sidecar {expected}")
-    return problems
-
-
 def run_rounds(root: Path, rounds: int, seed: int = 1, log=print,
                cycle: bool = False) -> tuple[list[Round], list[str]]:
     """``rounds`` kill rounds on one llama-server and kvproxy over ``root`` (the victim of
@@ -151,7 +138,7 @@ def run_rounds(root: Path, rounds: int, seed: int = 1, log=print,
     finally:
         proxy.stop()
         llama.stop()
-    return results, mismatched_files(slot_dir)
+    return results, files_match_sidecars(slot_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

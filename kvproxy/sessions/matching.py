@@ -105,12 +105,8 @@ def trail_of(messages: Iterable[Any], tools: Any = None) -> Trail:
 
 
 def shared_blocks(a: Iterable[str], b: Iterable[str]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    """How many leading blocks two trails share."""
+    return len(os.path.commonprefix([list(a), list(b)]))
 
 
 @dataclass(frozen=True)
