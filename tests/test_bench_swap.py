@@ -98,3 +98,12 @@ def test_arguments_of_the_new_scenarios():
     assert parse_args([]).conc["cache_ram_like_gib"] is None
     with pytest.raises(SystemExit):
         parse_args(["--scenario", "nope"])
+
+
+def test_proxy_log_summary_counts_swaps_and_background_saves():
+    from bench import proxy_log
+    summary = proxy_log.summarize(LOG)
+    assert summary["miss/free"] == {"count": 1, "total_s": 0.01, "median_ms": 12.5}
+    assert summary["restored/evict"] == {"count": 1, "total_s": 0.02, "median_ms": 21.0}
+    assert summary["saved behind"] == {"count": 1, "total_s": 0.04, "median_ms": 40.0}
+    assert "| restored/evict | 1 | 0.02 | 21.0 |" in proxy_log.table(summary)
