@@ -10,6 +10,10 @@ memory; on a bare llama-server: slot save/restore speed by file size.
 Writes bench/results/<name>.json and .png and the docs/benchmark.md section between
 ``<!-- bench:start -->`` and ``<!-- bench:end -->``.
 
+Then the swap cost (bench/swap_cost.py; ``--scenario swap`` alone, ``make bench-swap``):
+one slot, two long conversations taking turns, kvproxy with save behind on and off; the
+section between ``<!-- bench-swap:start -->`` and ``<!-- bench-swap:end -->``.
+
 Then the concurrency scenario (bench/concurrency.py; ``--scenario concurrency`` runs it
 alone, ``make bench-concurrency``): several users at once against llama-server ``-np N``
 straight, kvproxy with one slot and kvproxy with N slots, plus llama-batched-bench.
@@ -305,6 +309,9 @@ def swap_scenario(args: argparse.Namespace, argv: list[str] | None, log) -> int:
     except KeyboardInterrupt:
         log("interrupted")
         return 1
+    except (OSError, RuntimeError, ValueError, requests.RequestException) as exc:
+        log(f"swap scenario failed: {exc!r}; nothing published (--keep keeps its logs)")
+        return 0
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
