@@ -12,7 +12,7 @@ BUILD_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 CLAUDE_CODE_VERSION := 2.1.332
 NPM_DIR := var/npm
 
-.PHONY: setup swa-model run test test-unit test-deploy nginx mutate bench bench-concurrency bench-slot-overhead bench-kill bench-models soak clean claude-cli dist
+.PHONY: setup swa-model run test test-unit test-deploy nginx mutate bench bench-concurrency bench-swap bench-slot-overhead bench-kill bench-models soak clean claude-cli dist
 setup: $(VENV)/.requirements $(VENV)/.llama-server $(VENV)/.model
 
 $(VENV)/bin/python:
@@ -125,6 +125,10 @@ bench: setup
 # for a smoke run of a few minutes.
 bench-concurrency: setup
 	$(BIN)/python -m bench.run --scenario concurrency $(BENCH_ARGS)
+
+# Only the swap cost: save behind on and off, one slot, two long conversations (a few minutes).
+bench-swap: setup
+	$(BIN)/python -m bench.run --scenario swap $(BENCH_ARGS)
 
 # kvproxy driving one slot against all of them, on two llama-servers of the same layout: the
 # no-swap request path alone (about 2 minutes).

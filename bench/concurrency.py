@@ -39,6 +39,8 @@ from .workload import WORDS, text_of_tokens
 LLAMA_DEFAULT_CACHE_RAM_MIB = 8192
 LLAMA_DEFAULT_SIMILARITY = "0.1"
 PER_TURN_ALLOWANCE = 60   # question, template and a little slack, tokens, besides the reply
+# A 70B-class model's KV cache per token (Llama 3 70B: 80 layers, 8 KV heads of 128, f16 K and V).
+SEVENTY_B_KV_BYTES_PER_TOKEN = 2 * 80 * 8 * 128 * 2
 
 
 @dataclasses.dataclass
@@ -77,8 +79,40 @@ def fits(system_high: int, turns: int, max_tokens: int, slot_ctx: int) -> bool:
     return system_high + turns * (max_tokens + PER_TURN_ALLOWANCE) <= slot_ctx
 
 
+def kv_bytes_per_token(metadata: dict, bytes_per_value: int = 2) -> int | None:
+    """K and V bytes per token of a model from its GGUF header (llama-server's default f16
+    cache): 2 x layers x KV heads x head size x bytes per value; None when the header lacks
+    them."""
+    arch = metadata.get("general.architecture")
+    get = lambda key: metadata.get(f"{arch}.{key}")  # noqa: E731
+    layers, kv_heads = get("block_count"), get("attention.head_count_kv") or \
+        get("attention.head_count")
+    heads, width = get("attention.head_count"), get("embedding_length")
+    key_size = get("attention.key_length") or (width // heads if width and heads else None)
+    value_size = get("attention.value_length") or key_size
+    if isinstance(kv_heads, list):   # per-layer head counts: the largest bounds the cache
+        kv_heads = max(kv_heads)
+    if not (isinstance(layers, int) and isinstance(kv_heads, int) and key_size and value_size):
+        return None
+    return layers * kv_heads * (key_size + value_size) * bytes_per_value
+
+
+def scaled_cache_ram(metadata: dict, gib: float,
+                     reference: int = SEVENTY_B_KV_BYTES_PER_TOKEN) -> dict | None:
+    """The ``--cache-ram`` (MiB) at which this model's RAM cache holds as many tokens as
+    ``gib`` GiB hold for a model of ``reference`` KV bytes per token."""
+    per_token = kv_bytes_per_token(metadata)
+    if not per_token:
+        return None
+    tokens = gib * 1024 ** 3 / reference
+    return {"gib": gib, "reference_bytes_per_token": reference,
+            "model_bytes_per_token": per_token, "tokens": int(tokens),
+            "mib": max(1, round(tokens * per_token / 1024 ** 2))}
+
+
 def llama_options(direct: bool, slots: int, slot_ctx: int,
-                  accepts_slots: bool | None = None, proxy_cache_ram: int | None = None) -> dict:
+                  accepts_slots: bool | None = None, proxy_cache_ram: int | None = None,
+                  cache_ram_cap: int | None = None) -> dict:
     """LlamaServer keyword arguments for a mode.
 
     Straight llama-server keeps its own defaults for slot choice and RAM cache. Behind
@@ -86,7 +120,16 @@ def llama_options(direct: bool, slots: int, slot_ctx: int,
     where that exists, else the same flags by hand (the last ``-np`` on the command
     line wins), with the ``--cache-ram`` that ``make run`` picks for that many slots (off
     with several, kvproxy.launch.serve.llama_layout). ``proxy_cache_ram`` (MiB) replaces it.
+    ``cache_ram_cap`` (MiB, the scaled-RAM scenario) bounds every mode's RAM cache.
     """
+    options = _llama_options(direct, slots, slot_ctx, accepts_slots, proxy_cache_ram)
+    if cache_ram_cap is not None:
+        options["cache_ram_mib"] = min(options["cache_ram_mib"], cache_ram_cap)
+    return options
+
+
+def _llama_options(direct: bool, slots: int, slot_ctx: int, accepts_slots: bool | None,
+                   proxy_cache_ram: int | None) -> dict:
     if accepts_slots is None:
         accepts_slots = "slots" in inspect.signature(LlamaServer).parameters
     options: dict = {"ctx_size": slots * slot_ctx}
@@ -114,11 +157,12 @@ def mode_plan(slots: int) -> dict[str, tuple[str, bool, int]]:
 
 
 def make_mode(key: str, slots: int, slot_ctx: int, workdir: Path,
-              proxy_cache_ram: int | None = None) -> Mode:
+              proxy_cache_ram: int | None = None, cache_ram_cap: int | None = None) -> Mode:
     label, proxied, n = mode_plan(slots)[key]
     return Mode(key, label, workdir, None, proxied,
                 llama_options=llama_options(not proxied, n, slot_ctx,
-                                            proxy_cache_ram=proxy_cache_ram),
+                                            proxy_cache_ram=proxy_cache_ram,
+                                            cache_ram_cap=cache_ram_cap),
                 # Straight llama-server queues a request without a bound: so may kvproxy
                 # here (a 503 would end that user's conversation).
                 proxy_env={"KVPROXY_SLOTS": str(n), "KVPROXY_LOCK_TIMEOUT": "3600"}
@@ -299,13 +343,24 @@ def run_scenario(settings: dict, work: Path, log, record: dict) -> None:
             slots, settings["slot_ctx"], settings["overhead_requests"] * 2, folder), slots)
         log(f"  median {record['slot_path']['one_slot_median_ms']:.2f} ms driving 1, "
             f"{record['slot_path']['all_slots_median_ms']:.2f} ms driving {slots}")
+    cap = None
+    if settings.get("cache_ram_like_gib"):
+        from kvproxy.launch.processes import bundled_model
+        from kvproxy.upstream import gguf
+        record["scaled_cache_ram"] = scaled_cache_ram(gguf.file_facts(bundled_model())[0],
+                                                      settings["cache_ram_like_gib"])
+        if record["scaled_cache_ram"] is None:
+            raise ValueError("the bundled model's GGUF header does not give its KV size")
+        cap = record["scaled_cache_ram"]["mib"]
+        log(f"scaled RAM cache: {cap} MiB holds {record['scaled_cache_ram']['tokens']} tokens "
+            f"of this model, as {settings['cache_ram_like_gib']} GiB would of a 70B-class model")
     for users in settings["users"]:
         group: dict = {"users": users, "modes": {}, "summaries": {}, "results": {}}
         record["groups"].append(group)
         people: list[User] | None = None
         for key in settings["modes"]:
             mode = make_mode(key, slots, settings["slot_ctx"], work / f"{users}u-{key}",
-                             settings.get("proxy_cache_ram"))
+                             settings.get("proxy_cache_ram"), cap)
             log(f"\n== {users} users, {mode.label}")
             try:
                 start_s = mode.start()

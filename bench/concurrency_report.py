@@ -77,8 +77,19 @@ def settings_line(conc: dict) -> str:
             f"(same build and model).")
 
 
+def scaled_line(conc: dict) -> str:
+    """The scaled-RAM scenario's arithmetic, or '' when the run was not one."""
+    sc = conc.get("scaled_cache_ram")
+    if not sc:
+        return ""
+    return (f"Scaled RAM cache: {sc['gib']:g} GiB hold {sc['tokens']:,} tokens of a 70B-class "
+            f"model ({sc['reference_bytes_per_token']:,} KV bytes per token); this model's KV "
+            f"takes {sc['model_bytes_per_token']:,} bytes per token (from its GGUF header), so "
+            f"every llama-server gets at most `--cache-ram {sc['mib']}` (MiB).")
+
+
 def modes_lines(conc: dict) -> list[str]:
-    out = []
+    out = [scaled_line(conc)] if scaled_line(conc) else []
     for key, text in (conc.get("mode_commands") or {}).items():
         out.append(f"- {conc['mode_labels'][key]}: `{text}`")
     return out

@@ -10,6 +10,10 @@ memory; on a bare llama-server: slot save/restore speed by file size.
 Writes bench/results/<name>.json and .png and the docs/benchmark.md section between
 ``<!-- bench:start -->`` and ``<!-- bench:end -->``.
 
+Then the swap cost (bench/swap_cost.py; ``--scenario swap`` alone, ``make bench-swap``):
+one slot, two long conversations taking turns, kvproxy with save behind on and off; the
+section between ``<!-- bench-swap:start -->`` and ``<!-- bench-swap:end -->``.
+
 Then the concurrency scenario (bench/concurrency.py; ``--scenario concurrency`` runs it
 alone, ``make bench-concurrency``): several users at once against llama-server ``-np N``
 straight, kvproxy with one slot and kvproxy with N slots, plus llama-batched-bench.
@@ -32,7 +36,7 @@ from pathlib import Path
 
 import requests
 
-from . import concurrency, concurrency_report, micro, report
+from . import concurrency, concurrency_report, micro, report, swap_cost
 from .concurrency_stats import targets as concurrency_targets
 from .procs import ROOT, Mode, Proxy
 from .workload import account_tokens, build_conversations, run_workload
@@ -72,9 +76,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run of a minute or two")
-    p.add_argument("--scenario", choices=("all", "main", "concurrency"), default="all",
-                   help="main: the restart workload and micro figures; concurrency: several "
-                   "users at once (default: both)")
+    p.add_argument("--scenario", choices=("all", "main", "swap", "concurrency"), default="all",
+                   help="main: the restart workload and micro figures; swap: what a swap costs "
+                   "with save behind on and off; concurrency: several users at once (default: "
+                   "all three)")
+    w = p.add_argument_group("swap scenario")
+    w.add_argument("--swap-tokens", type=int, help="system prompt of each of the two "
+                   "conversations, tokens (default 6000; quick 1000)")
+    w.add_argument("--swap-turns", type=int, help="turns per conversation (default 6; quick 3)")
+    w.add_argument("--swap-delay", type=float, default=0.5,
+                   help="KVPROXY_SAVE_BEHIND_DELAY in the scenario (default 0.5 s)")
     c = p.add_argument_group("concurrency scenario")
     c.add_argument("--users", help="users at once, one group each (default 4,8; quick 2,4)")
     c.add_argument("--slots", type=int, help="llama-server slots of (a) and (c) (default 4; quick 2)")
@@ -90,6 +101,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "(default 512,64,1,2,4)")
     c.add_argument("--proxy-cache-ram", type=int, help="llama-server --cache-ram (MiB) behind "
                    "kvproxy in (b) and (c); default: what make run picks (off with several slots)")
+    c.add_argument("--cache-ram-like-70b", dest="cache_ram_like_gib", type=float,
+                   help="scaled-RAM scenario: every mode's llama-server --cache-ram holds as many "
+                   "tokens of the bundled model as this many GiB hold for a 70B-class model "
+                   "(327,680 KV bytes per token), e.g. 16")
     c.add_argument("--conc-budget", type=float, default=1800,
                    help="seconds one mode may take with one group before its users stop")
     p.add_argument("--modes", help="comma list of a, b, c (default: a,b,c; quick: a,b)")
@@ -180,6 +195,7 @@ def concurrency_settings(args: argparse.Namespace) -> dict:
             "max_tokens": args.conc_max_tokens, "think": think, "modes": modes,
             "batched": (batch[0], batch[1], batch[2:]), "budget_s": args.conc_budget,
             "proxy_cache_ram": args.proxy_cache_ram,
+            "cache_ram_like_gib": args.cache_ram_like_gib,
             "read_timeout": args.read_timeout, "overhead_requests": args.overhead_requests,
             "skip": sorted(args.skip_set)}
 
@@ -264,9 +280,71 @@ def main(argv: list[str] | None = None) -> int:
         code = main_scenario(args, argv, log)
         if code == 1:   # interrupted
             return code
+    if args.scenario in ("all", "swap"):
+        code = max(code, swap_scenario(args, argv, log))
+        if code == 1:
+            return code
     if args.scenario in ("all", "concurrency"):
         code = max(code, concurrency_scenario(args, argv, log))
     return code
+
+
+SWAP_START, SWAP_END = "<!-- bench-swap:start -->", "<!-- bench-swap:end -->"
+
+
+def swap_scenario(args: argparse.Namespace, argv: list[str] | None, log) -> int:
+    """Swap cost with save behind on and off (bench/swap_cost.py); publishes like the others."""
+    started = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="kvproxy-bench-swap-"))
+    tokens = args.swap_tokens or (1000 if args.quick else 6000)
+    settings = {"tokens": tokens, "turns": args.swap_turns or (3 if args.quick else 6),
+                "delay": args.swap_delay, "pause": args.swap_delay + 2.0, "max_tokens": 8,
+                "ctx": 8192}
+    record: dict = {"scenario": "swap", "command": command_line(argv),
+                    "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                    "machine": machine(), "loadavg_start": loadavg()}
+    log(f"\nkvproxy swap cost ({tokens}-token conversations); work folder {work}")
+    try:
+        record.update(swap_cost.measure(settings, work, log))
+    except KeyboardInterrupt:
+        log("interrupted")
+        return 1
+    except (OSError, RuntimeError, ValueError, requests.RequestException) as exc:
+        log(f"swap scenario failed: {exc!r}; nothing published (--keep keeps its logs)")
+        return 0
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            log(f"kept {work}")
+    record["loadavg_end"] = loadavg()
+    record["duration_seconds"] = round(time.monotonic() - started, 1)
+    text = swap_cost.text_report(record)
+    log("\n" + text)
+    name = f"{args.name_given}-swap" if args.name_given else ("swap-quick" if args.quick else "swap")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(record, indent=1, default=str))
+    m = record["machine"]
+    section = "\n".join([
+        SWAP_START, "## Swap cost with save behind", "",
+        f"Generated by `{record['command']}` on {record['started_at']}, "
+        f"{record['duration_seconds']:.0f} s. Raw figures: `bench/results/{name}.json`.", "",
+        f"**Machine:** {m['cores']} cores, {m['cpu']}, {m['ram_gib']} GiB RAM; load average "
+        f"{' '.join(map(str, record['loadavg_start']))} at start, "
+        f"{' '.join(map(str, record['loadavg_end']))} at end.", "",
+        f"**Workload:** one llama-server slot, two conversations of about {tokens} tokens "
+        f"taking turns, {settings['turns']} turns each, {settings['pause']:.1f} s between "
+        f"turns (save-behind delay {settings['delay']} s); every turn after the first two swaps "
+        "the slot. Each setting runs on a fresh llama-server and slot folder.", "",
+        text, "",
+        "- swap: kvproxy's `swap to session=... swap_ms=...` log line, what the incoming "
+        "request waited for (a save when there is one, the restore, kvproxy's own calls); "
+        "restore and save: llama-server's timings, from the sidecars.", SWAP_END])
+    (RESULTS / f"{name}.md").write_text(section + "\n")
+    if args.page and report.update_page(PAGE, section, SWAP_START, SWAP_END):
+        log("docs/benchmark.md: swap section rewritten")
+    log(f"swap target: {record['status']}")
+    return 3 if record["status"] == "FAIL" and args.strict else 0
 
 
 def concurrency_name(args: argparse.Namespace) -> str:

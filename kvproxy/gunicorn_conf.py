@@ -66,6 +66,7 @@ def post_worker_init(worker):
 def worker_exit(server, worker):
     """Save the session every slot holds, so restarting both processes loses nothing."""
     app = getattr(worker, "wsgi", None)
+    app = getattr(app, "__wrapped__", app)   # ReceivingWorker wraps the app (worker.load_wsgi)
     models = getattr(app, "extensions", {}).get("kvproxy.models") if app else None
     for switch in (models.switches() if models is not None else []):
         switch.checkpoint()

@@ -77,3 +77,28 @@ def test_a_body_that_did_not_arrive_is_a_408_that_closes(fake, tmp_path, path, s
     message = {"openai": lambda: body["error"]["message"], "ollama": lambda: body["error"],
                "anthropic": lambda: body["error"]["message"]}[shape]()
     assert "KVPROXY_RECEIVE_TIMEOUT" in message
+
+
+def test_worker_exit_saves_the_slots_through_the_wrapped_app(monkeypatch):
+    """ReceivingWorker.load_wsgi wraps the app; the shutdown save (gunicorn_conf.worker_exit)
+    must still find its switches, or a restart loses every turn not saved behind yet."""
+    from types import SimpleNamespace
+
+    from gunicorn.workers.base import Worker
+
+    from kvproxy import gunicorn_conf
+
+    saved = []
+    switch = SimpleNamespace(checkpoint=lambda: saved.append("checkpoint"))
+    models = SimpleNamespace(switches=lambda: [switch])
+
+    def app(environ, start_response):
+        return []
+    app.extensions = {"kvproxy.models": models}
+    monkeypatch.setattr(Worker, "load_wsgi", lambda self: setattr(self, "wsgi", app))
+    receiving = worker.ReceivingWorker.__new__(worker.ReceivingWorker)
+    receiving._serving = __import__("threading").local()
+    receiving.load_wsgi()
+    assert receiving.wsgi is not app   # wrapped, to keep the app's Connection: close
+    gunicorn_conf.worker_exit(None, receiving)
+    assert saved == ["checkpoint"]

@@ -222,4 +222,5 @@ class ReceivingWorker(ThreadWorker):
                 return start_response(status, headers, exc_info)
             return app(environ, start)
 
+        closing.__wrapped__ = app       # worker_exit (gunicorn_conf) saves the slots through it
         self.wsgi = closing
