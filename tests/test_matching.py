@@ -228,3 +228,16 @@ def test_a_short_conversation_reshaped_on_a_later_turn_keeps_its_session():
                             [saved], "s", MIN_CHARS,
                             lambda sid: Session(sid, "conversation-hash", key=sid))
     assert other.id != "conv-a"
+
+
+def test_a_new_chat_sharing_only_the_system_prompt_starts_from_the_base_not_another_chat():
+    """The base snapshot holds exactly the system prompt: no other conversation's file (and
+    turns) is restored for a chat that shares nothing more."""
+    long_system = {"role": "system", "content": "House rules, one by one. " * 400}
+    one = [long_system, user("Chat one asks about rivers.")]
+    saved = record(one, sid="conv-one")
+    plain = Session("conv-two", "conversation-hash", key="conv-two")
+    two = matching.follow(plain, matching.trail_of([long_system, user("Chat two asks.")]),
+                          [saved], "s", MIN_CHARS,
+                          lambda sid: Session(sid, "conversation-hash", key=sid))
+    assert two.id == "conv-two" and two.seed is None

@@ -83,6 +83,7 @@ class Trail:
     whole: str
     messages: int
     text: str = dataclasses.field(default="", compare=False, repr=False)  # in memory only
+    head: int = 0   # characters of its tools and leading system messages (the base's part)
 
     def record(self, session: Session, scope: str) -> dict:
         """The sidecar field of ``session``'s conversation after this request."""
@@ -99,9 +100,14 @@ class Trail:
 
 def trail_of(messages: Iterable[Any], tools: Any = None) -> Trail:
     text = canonical(messages, tools)
-    count = len([m for m in messages if isinstance(m, Mapping)]) \
-        if isinstance(messages, list) else 0
-    return Trail(tuple(chain(text)), len(text), _digest(text), count, text)
+    listed = [m for m in messages if isinstance(m, Mapping)] if isinstance(messages, list) else []
+    leading = []
+    for message in listed:
+        if message.get("role") not in ("system", "developer"):
+            break
+        leading.append(message)
+    head = len(canonical(leading, tools)) if leading or tools else 0
+    return Trail(tuple(chain(text)), len(text), _digest(text), len(listed), text, head)
 
 
 def shared_blocks(a: Iterable[str], b: Iterable[str]) -> int:
@@ -215,6 +221,11 @@ def follow(session: Session, trail: Trail, records: list[dict], scope: str, min_
     after matching its ``trail`` against this scope's ``records``. ``rescope`` scopes an
     unscoped session as ``session`` was (for a fork's new id)."""
     found = decide(trail, records, min_chars) if min_chars > 0 else None
+    if found is not None and found.kind == FORK and \
+            found.shared_chars <= trail.head + BLOCK_CHARS:
+        # Only the system prompt in common: the base snapshot holds exactly that, and no
+        # other conversation's turns are restored for a new one.
+        found = None
     if found is not None and found.kind == CONTINUE:
         record = found.record
         followed = dataclasses.replace(session, id=record["id"], key=record["key"],

@@ -84,6 +84,8 @@ class ModelSwitches:
             self._router = props.get("role") == "router"
             if self._router:
                 log.info("llama-server is a router of several models: a switch per model")
+                # it drops kept-alive connections while it loads and unloads models
+                self.client.http.headers["Connection"] = "close"
         return self._router
 
     def props(self, max_age: float = PROPS_TTL) -> dict:

@@ -235,9 +235,14 @@ class LlamaClient:
 
     # -- model facts -------------------------------------------------------
     def for_model(self, model: str) -> "LlamaClient":
-        """A client of the same server for one model behind its router."""
-        return LlamaClient(self.base_url, self.connect_timeout, self.read_timeout,
-                           self.slot_action_timeout, model=model, api_key=self.api_key)
+        """A client of the same server for one model behind its router. The router drops
+        kept-alive connections while it loads and unloads models (a reused one then fails
+        with a connection error), so each call opens its own: a local hop, and its open
+        connection proves nothing here anyway (``still_open``)."""
+        client = LlamaClient(self.base_url, self.connect_timeout, self.read_timeout,
+                             self.slot_action_timeout, model=model, api_key=self.api_key)
+        client.http.headers["Connection"] = "close"
+        return client
 
     def _named(self, body: dict) -> dict:
         return {**body, "model": self.model} if self.model else body
