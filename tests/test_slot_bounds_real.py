@@ -33,7 +33,7 @@ def test_a_whole_answer_whose_client_left_frees_the_slot(stack):
     body = json.dumps({"messages": [{"role": "user", "content": "Tell me a very long story."}],
                        "max_tokens": 6000, "ignore_eos": True, "stream": False}).encode()
     sock = socket.create_connection(("127.0.0.1", stack.proxy.port), timeout=10)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                  b"Content-Type: application/json\r\nX-Session-Id: leaver\r\n"
                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     deadline = time.monotonic() + 30
