@@ -201,7 +201,7 @@ class SlotSwitch:
     def save_settled(self, slot: int) -> bool:
         """Save the new turns of the session ``slot`` holds, in the background, if the slot is
         free now: never waits for it, and saves only what kvproxy can prove is there, with
-        restoring on (``plan.save_behind``). True when a save was made."""
+        restoring on (``plan.worth_saving``). True when a save was made."""
         if not self.try_hold(slot):
             return False  # a request holds it: it arms the slot again when it ends
         try:
