@@ -3,6 +3,7 @@ rules from trails alone, and through the app against the llama-server stub."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import responses
@@ -113,6 +114,25 @@ def test_the_index_reads_only_its_scope_and_rereads_changed_sidecars(tmp_path):
     assert [r["id"] for r in index.records("mine")] == ["conv-a2"]
 
 
+
+def test_the_index_knows_a_matched_request_before_its_sidecar_is_written(tmp_path):
+    turn1 = [SYSTEM, *EXAMPLES, user("ducks")]
+    turn2 = turn1 + [assistant("ok"), user("more")]
+    index = matching.TrailIndex(tmp_path)
+    index.note(record(turn1, "conv-a", "mine"))
+    index.note(record(turn1, "conv-b", "theirs"))
+    assert [r["id"] for r in index.records("mine")] == ["conv-a"]
+    # the sidecar still has the first turn while the second is in flight: the note wins
+    (tmp_path / "a@m.json").write_text(json.dumps({"trail": record(turn1, "conv-a", "mine")}))
+    index.note(record(turn2, "conv-a", "mine"))
+    assert [r["whole"] for r in index.records("mine")] == [record(turn2)["whole"]]
+    # once the sidecar has it, the note is gone: a deleted conversation is forgotten
+    (tmp_path / "a@m.json").write_text(json.dumps({"trail": record(turn2, "conv-a", "mine")}))
+    assert [r["whole"] for r in index.records("mine")] == [record(turn2)["whole"]]
+    (tmp_path / "a@m.json").unlink()
+    assert index.records("mine") == []
+
+
 # -- through the app, against the stub --------------------------------------------------
 @pytest.fixture
 def app_and_fake(tmp_path):
@@ -146,6 +166,30 @@ def test_interleaved_chats_behind_the_same_examples_keep_their_own_sessions(app_
             assert session == first[name]
             assert cache == "restored"
             assert fake.slot_actions[-1][1:] == ("restore", f"{_stem(app, session)}.bin")
+
+
+
+def test_a_chat_sent_before_the_last_reply_was_recorded_still_forks(app_and_fake):
+    # A client sends its next chat as soon as it has read the reply; kvproxy writes the
+    # sidecar when the reply is closed, which may come later.
+    import threading
+    app, fake = app_and_fake
+    client = app.test_client()
+    a = [SYSTEM, *EXAMPLES, user("ducks")]
+    b = [SYSTEM, *EXAMPLES, user("geese")]
+    first = client.post("/v1/chat/completions", json={"messages": a},
+                        headers={"User-Agent": "agent/1"}, buffered=False)
+    assert first.status_code == 200
+    first.get_data()  # read, not yet closed: no sidecar has its trail yet
+    sidecars = Path(app.config["KVPROXY"].slot_dir).glob("*.json")
+    assert not any("trail" in json.loads(path.read_text()) for path in sidecars)
+    second = {}
+    worker = threading.Thread(target=lambda: second.update(chat=chat(client, b)))
+    worker.start()
+    worker.join(0.5)  # it has its session and waits for the slot
+    first.close()
+    worker.join(10)
+    assert second["chat"][0] != first.headers["X-KVProxy-Session"], "merged into the first chat"
 
 
 def _stem(app, session_id):

@@ -70,10 +70,6 @@ def test_a_part_moving_to_the_newest_message_keeps_the_conversation(stack):
     assert reused(two) >= 0.95 * alone, (reused(two), alone)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "open defect (issue 25): once in four runs a returning turn of the second chat said 'hit' "
-    "while only the shared opening was reused (1,682 of 1,887 tokens): the slot's record named "
-    "that chat after a fork, and a token count equal by chance hid the other chat's content"))
 def test_chats_behind_one_fixed_exchange_are_three_sessions_each_with_its_history(stack):
     opening = [{"role": "system", "content": SYSTEM},
                {"role": "user", "content": EXAMPLE_Q},

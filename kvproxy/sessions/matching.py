@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -39,6 +40,8 @@ CHARS_PER_TOKEN = 4
 MOST = 0.9
 MAX_BLOCKS = 8192          # trails end there (2 MiB of text)
 MAX_RECORDS = 1024         # the newest sidecars a request is compared with
+MAX_NOTES = 256            # trails of requests whose sidecar is not written yet
+NOTE_TTL_S = 3600.0        # a note whose sidecar never came (the request failed) is dropped
 SIDECAR_FIELD = "trail"
 
 CONTINUE, FORK = "continue", "fork"
@@ -167,14 +170,45 @@ def scope_of(user: str | None, client: str | None) -> str:
 
 class TrailIndex:
     """The trails recorded in a slot folder's sidecars, re-read only when a file changed
-    (its modification time and size), the newest ``MAX_RECORDS`` of them."""
+    (its modification time and size), the newest ``MAX_RECORDS`` of them, and the trails of
+    requests this process matched whose sidecar does not show them yet.
+
+    Those notes matter because a sidecar is written once the reply has been sent: a client
+    that sends its next request at once (a second chat behind the same opening) must find
+    the first one, or it would be merged into it."""
 
     def __init__(self, root: Path | str):
         self.root = Path(root)
         self._cache: dict[str, tuple[tuple[int, int], dict | None]] = {}
+        self._notes: dict[str, tuple[float, dict]] = {}  # session id: (monotonic, record)
         self._lock = threading.Lock()
 
+    def note(self, record: dict | None) -> None:
+        """Remember the trail a request was matched to until its sidecar shows it."""
+        if not record or not record.get("id"):
+            return
+        with self._lock:
+            self._notes.pop(record["id"], None)
+            self._notes[record["id"]] = (time.monotonic(), record)
+            while len(self._notes) > MAX_NOTES:
+                del self._notes[next(iter(self._notes))]
+
     def records(self, scope: str) -> list[dict]:
+        """This scope's records: the sidecars', each replaced by a newer note of its session."""
+        on_disk = self._on_disk(scope)
+        with self._lock:
+            now = time.monotonic()
+            ids = {record.get("id"): record for record in on_disk}
+            for session_id, (noted_at, record) in list(self._notes.items()):
+                saved = ids.get(session_id)
+                if now - noted_at > NOTE_TTL_S or \
+                        (saved is not None and saved.get("whole") == record.get("whole")):
+                    del self._notes[session_id]  # the sidecar caught up (or it never will)
+                elif record.get("scope") == scope:
+                    ids[session_id] = record
+        return list(ids.values())
+
+    def _on_disk(self, scope: str) -> list[dict]:
         try:
             entries = [e for e in os.scandir(self.root)
                        if e.name.endswith(".json") and not e.name.startswith(".")

@@ -258,7 +258,10 @@ class Relay:
         def rescope(session_id: str) -> identity.Session:
             return identity.scoped(dataclasses.replace(named, id=session_id, key=session_id),
                                    user=user, client=client)
-        return matching.follow(session, trail, index.records(scope), scope, min_chars, rescope)
+        followed = matching.follow(session, trail, index.records(scope), scope, min_chars,
+                                   rescope)
+        index.note(followed.trail)
+        return followed
 
     def _named_session(self, call: ChatCall, stream: bool) -> identity.Session:
         if call.side:
