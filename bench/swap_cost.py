@@ -58,6 +58,19 @@ def changed(before: dict[str, dict], after: dict[str, dict], field: str) -> list
             if (before.get(stem) or {}).get(field) != after[stem].get(field)]
 
 
+def recorded_after(slot_dir: Path, before: dict[str, dict], headers) -> dict[str, dict]:
+    """The sidecars once the turn's restore is recorded: kvproxy writes it when it closes the
+    answer, just after the last byte; waited for at most half a second (well inside the
+    save-behind delay, so a background save is never taken for one made during the turn)."""
+    deadline = time.monotonic() + 0.5
+    while True:
+        after = sidecar_times(slot_dir)
+        if headers.get("X-KVProxy-Cache") != "restored" or changed(before, after, "restores") \
+                or time.monotonic() > deadline:
+            return after
+        time.sleep(0.01)
+
+
 def run_setting(key: str, work: Path, systems: list[str] | None, settings: dict, log) -> dict:
     """One kvproxy setting (``on`` or ``off``) on a fresh stack: every swap's parts."""
     env = {"KVPROXY_SLOTS": "1", "KVPROXY_SAVE_BEHIND_DELAY": str(settings["delay"]),
@@ -82,7 +95,7 @@ def run_setting(key: str, work: Path, systems: list[str] | None, settings: dict,
                                                       "seed": 42}, read_timeout=600)
                 if answer.status != 200 or answer.error:
                     raise RuntimeError(f"turn {turn + 1}: {answer.status} {answer.error}")
-                after = sidecar_times(mode.slot_dir)
+                after = recorded_after(mode.slot_dir, before, answer.headers)
                 histories[who] = messages + [{"role": "assistant", "content": answer.content}]
                 restored = changed(before, after, "restores")
                 saved = changed(before, after, "saved_at")

@@ -382,10 +382,11 @@ def test_a_base_snapshot_is_made_and_restored_in_the_slot_the_session_runs_in(mo
     second = switch.acquire(Session("C", "test", system_hash="bbbb", model=MODEL), prompt=prompt)
     assert (second.slot, second.cache, second.restored_tokens) == (1, BASE, 100)
     assert ("restore", f"{base_stem('bbbb', MODEL)}.bin") in actions_on(fake, 1)
+    assert actions_on(fake, 0) == [("erase", None)], "the busy slot was never touched"
+    switch.release(second)  # the restore is recorded with the request, after its answer
     restored = store.read_sidecar(base_stem("bbbb", MODEL))
     assert restored["restored_into_slot"] == 1 and restored["last_used_at"] >= base["saved_at"]
-    assert actions_on(fake, 0) == [("erase", None)], "the busy slot was never touched"
-    switch.release(second)
+    assert restored["restores"] == 1
     switch.release(busy)
 
 

@@ -276,20 +276,17 @@ def test_slots_error_means_no_save_and_a_restore(tmp_path, fake):
 
 
 def test_a_failed_swap_makes_the_slot_untrusted(tmp_path, fake, monkeypatch):
-    """The restore of A went through, then writing its sidecar failed: the slot holds A while
-    the state file still names B with the same token count. B must not be served from it."""
+    """The restore of A went through, then recording it in the state file failed: the slot
+    holds A while B had the same token count. B must not be served from it."""
     switch = make_switch(tmp_path)
     turn(switch, A, fake)
     turn(switch, B, fake)
-    update_sidecar = switch.store.update_sidecar
 
-    def fails_after_restore(stem, defaults, count=None, **changes):
-        if count == "restores":
-            raise OSError("disk gone")
-        return update_sidecar(stem, defaults, count=count, **changes)
+    def fails_after_restore(slot, session, tokens):
+        raise OSError("disk gone")
 
     with monkeypatch.context() as patch:
-        patch.setattr(switch.store, "update_sidecar", fails_after_restore)
+        patch.setattr(switch.executor, "record", fails_after_restore)
         with pytest.raises(Exception):
             switch.acquire(A)
     assert fake.actions[-1] == ("restore", f"{A.stem}.bin")

@@ -60,6 +60,39 @@ def test_a_settled_slot_is_saved_and_the_swap_then_only_restores(tmp_path, fake)
     assert saves_of(fake, B) == [("save", f"{B.stem}.saving.bin")], "B had not settled"
 
 
+
+def upstream_calls(fake, since=0):
+    """(method, path) of every call to the stub since ``since``."""
+    from urllib.parse import urlsplit
+    return [(c.request.method, urlsplit(c.request.url).path) for c in fake.mock.calls[since:]]
+
+
+def test_a_swap_after_a_save_behind_asks_nothing_but_the_restore(tmp_path, fake):
+    """Its outgoing session is on disk, so whatever the slot holds is overwritten: no /slots,
+    no save, and llama-server's fingerprint is not asked again while its connection is open;
+    the restore is recorded in the sidecar with the request, after the answer."""
+    switch = make_switch(tmp_path)
+    turn(switch, A, fake, 40)
+    turn(switch, B, fake, 30)
+    assert switch.save_settled(0) is True
+    switch.client.still_open = lambda witness: True  # the stub has no real connection
+    since = len(fake.mock.calls)
+    lease = switch.acquire(A)
+    assert lease.cache == RESTORED
+    assert upstream_calls(fake, since) == [("POST", "/slots/0")]
+    restores = switch.store.read_sidecar(A.stem).get("restores") or 0
+    switch.release(lease, {"cache_n": 40, "prompt_n": 2, "predicted_n": 0})
+    assert switch.store.read_sidecar(A.stem)["restores"] == restores + 1
+    since = len(fake.mock.calls)
+    turn(switch, B, fake, 35)               # A has turns its file lacks: proven, then saved
+    assert upstream_calls(fake, since)[:2] == [("GET", "/slots"), ("POST", "/slots/0")]
+    switch.client.still_open = lambda witness: False  # llama-server restarted
+    since = len(fake.mock.calls)
+    switch.save_settled(0)
+    turn(switch, A, fake, 45)
+    assert ("GET", "/props") in upstream_calls(fake, since), "the fingerprint is asked again"
+
+
 def test_a_busy_unproven_or_off_slot_is_not_saved_behind(tmp_path, fake, monkeypatch):
     switch = make_switch(tmp_path)
     turn(switch, A, fake, 40)

@@ -12,7 +12,7 @@ from kvproxy.sessions.identity import Session, base_stem
 from kvproxy.slots.plan import (BASE, EMPTY, FOREIGN, HIT, OURS, RESTORED, UNKNOWN, Claim, Erase,
                                 FileFacts, KeepFile, MakeBase, Record, Refuse, Restore, Save, same_maker,
                                 SwapFacts, after_answer, is_hit, needs_slot_size, plan_swap,
-                                view_without_asking)
+                                swap_needs_view, view_without_asking)
 from kvproxy.slots.state import Phase, SlotState
 
 MADE_BY = {"model_path": "m.gguf", "n_ctx": 4096, "build_info": "b1"}
@@ -197,3 +197,14 @@ def test_a_fork_takes_over_the_slot_that_holds_its_seed_after_saving_it():
     assert actions == [Save(0, HOLDS_A), Claim(0, fork), Adopt(0, A.stem, 40), Record(0, fork)]
     unknown = plan_swap(facts(session=fork, view=UNKNOWN, seed=saved(A.stem)))
     assert not [a for a in unknown if isinstance(a, Adopt)], "only a slot proven to hold it"
+
+
+def test_a_swap_asks_slots_only_when_its_plan_depends_on_it():
+    assert swap_needs_view(HOLDS_A, B, restoring_off=False), "turns to save need proof"
+    saved_behind = HOLDS_A.to(Phase.OURS)
+    assert not swap_needs_view(saved_behind, B, restoring_off=False)
+    assert not swap_needs_view(SlotState(), B, restoring_off=False)
+    assert swap_needs_view(saved_behind, B, restoring_off=True), "an emptied slot is probed"
+    fork = Session("F", "header", key="kF", seed="kA")
+    assert swap_needs_view(saved_behind, fork, restoring_off=False), "the seed taken over"
+    assert not swap_needs_view(saved_behind, Session("F", "header", key="kF", seed="kZ"), False)

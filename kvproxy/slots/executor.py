@@ -88,6 +88,7 @@ class Filled:
     tokens: int
     stem: str | None = None
     prefill: Prefill | None = None
+    restore_ms: float | None = None   # llama-server's time for the restore, when one was made
 
 
 class SlotExecutor:
@@ -190,9 +191,10 @@ class SlotExecutor:
                 self.refuse(action)
             elif isinstance(action, Restore):
                 self.touch(action.slot)
-                tokens = self.restore(action.stem, action.slot, made_by)
-                if tokens is not None:
-                    filled, restored = Filled(action.cache, tokens, action.stem), True
+                done = self.restore(action.stem, action.slot, made_by)
+                if done is not None:
+                    filled = Filled(action.cache, done[0], action.stem, restore_ms=done[1])
+                    restored = True
             elif isinstance(action, Adopt):
                 filled, restored = Filled(RESTORED, action.tokens, action.stem), True
             elif isinstance(action, Erase):
@@ -367,8 +369,10 @@ class SlotExecutor:
                 table[slot] = state.to(Phase.OURS)
         self.table.change(saved)
 
-    def restore(self, stem: str, slot: int, made_by: dict | None = None) -> int | None:
-        """Restore ``<stem>.bin`` into ``slot``: the tokens restored, None when it failed.
+    def restore(self, stem: str, slot: int,
+                made_by: dict | None = None) -> tuple[int, float] | None:
+        """Restore ``<stem>.bin`` into ``slot``: the tokens restored and llama-server's time for
+        it (the lease records both in the sidecar after the answer), None when it failed.
         A file llama-server refuses (400: another KV format, a layer count that differs) is
         remembered in its sidecar with the server that refused it, so it is not offered to
         that server again and a refused base is made afresh."""
@@ -385,9 +389,7 @@ class SlotExecutor:
         restore_ms = (answer.get("timings") or {}).get("restore_ms",
                                                        (time.monotonic() - started) * 1000)
         metrics.observe_swap("restore", time.monotonic() - started, answer.get("n_read", 0))
-        self.store.update_sidecar(stem, {}, count="restores", restore_ms=round(restore_ms, 2),
-                                  last_used_at=now_iso(), restored_into_slot=slot)
-        return int(answer.get("n_restored") or 0)
+        return int(answer.get("n_restored") or 0), float(restore_ms)
 
     def erase(self, slot: int) -> None:
         started = time.monotonic()

@@ -9,6 +9,7 @@ from kvproxy.sessions.identity import Session
 from kvproxy.slots.executor import Prefill, PromptView
 from kvproxy.slots.plan import BASE, MISS, RESTORED
 from kvproxy.slots.restore_check import MIN_TOKENS_TO_VERIFY
+from kvproxy.storage.store import now_iso
 
 
 @dataclass
@@ -25,12 +26,21 @@ class Lease:
     slot: int = 0                      # the llama-server slot it runs in (pin with id_slot)
     leased_at: float = 0.0             # monotonic time the slot was taken
     prefill: Prefill | None = None     # a base snapshot's prefill, computed by this swap
+    restore_ms: float | None = None    # llama-server's time for this swap's restore
     _release: Any = field(default=None, repr=False)
 
     def figures(self, timings: dict) -> dict:
         """The answer's ``timings`` as this request's usage: the tokens a base prefill of its
         swap computed count as computed, with their time, not as reused."""
         return self.prefill.timings(timings) if self.prefill and timings else timings
+
+    def restore_note(self) -> dict:
+        """What the restored file's sidecar records of this swap's restore ({} when none);
+        written with the request's own bookkeeping, after the answer."""
+        if self.restore_ms is None or not self.restored_stem:
+            return {}
+        return {"restore_ms": round(self.restore_ms, 2), "last_used_at": now_iso(),
+                "restored_into_slot": self.slot}
 
     def outcome(self, timings: dict | None = None) -> str:
         """What the request reused, once llama-server's ``timings`` tell: a restore of which it

@@ -17,6 +17,8 @@ from kvproxy.slots.state import Phase, SlotState
 
 # What /slots shows about the slot, against what kvproxy's last action left in it.
 OURS, EMPTY, FOREIGN, UNKNOWN = "ours", "empty", "foreign", "unknown"
+# /slots was not asked: nothing the swap does depends on it (``swap_needs_view``).
+UNASKED = "unasked"
 # The slot holds every token of the last answer but the last one sampled (never
 # decoded), so /slots lists one fewer than the answer's timings add up to.
 TOKEN_SLACK = 1
@@ -50,13 +52,24 @@ def view_without_asking(state: SlotState, uncertain: bool, open_since: bool) -> 
     path does) and it is still open since kvproxy last recorded the slot, so
     llama-server did not restart. It cannot see a client that talked to
     llama-server directly, but the worst outcome there is one prefill; a swap
-    always asks, because an uncertain slot must never be saved over a file.
+    that may save asks (``swap_needs_view``), because an uncertain slot must never
+    be saved over a file.
     """
     if uncertain or state.phase in (Phase.CLAIMED, Phase.UNPROVEN):
         return UNKNOWN
     if open_since and state.tokens > 0:
         return OURS
     return None
+
+
+def swap_needs_view(state: SlotState, session: Session, restoring_off: bool) -> bool:
+    """Whether a swap's plan depends on what ``/slots`` shows of the slot: only to save turns
+    the outgoing session's file lacks (never over a file without proof), to take over a
+    fork's seed in place, or to notice an emptied slot while restoring is off. A slot whose
+    session was saved behind is overwritten by the restore whatever it holds: one round trip
+    less on the swap."""
+    return worth_saving(state) or restoring_off or \
+        bool(session.seed and state.key == session.seed)
 
 
 def is_hit(state: SlotState, key: str, view: str) -> bool:

@@ -73,6 +73,8 @@ class SlotSwitch:
         self._busy_since: dict[int, str] = {}
         # Per slot: when this process last wrote its used_at alone (see plan.after_answer).
         self._used_at_written: dict[int, float] = {}
+        # /props and /v1/models with the connection that vouches for them (current_made_by).
+        self._facts: tuple | None = None
         # New turns saved in the background once a slot has settled (see save_behind).
         self.saver = SaveBehind(self.save_settled, save_behind_delay) if save_behind else None
 
@@ -253,7 +255,16 @@ class SlotSwitch:
         return self.client.slots()
 
     def current_made_by(self) -> dict:
-        return fingerprint(self.client.props(), self.client.models(), self.kv_format)
+        """The running llama-server's fingerprint. ``/props`` and ``/v1/models`` are asked
+        again only when the connection of the last slot call before they were asked has
+        closed (``LlamaClient.still_open``): while it is open, llama-server has not restarted
+        and they are unchanged, so a swap does not pay two round trips for them."""
+        cached = self._facts
+        if cached is None or not self.client.still_open(cached[0]):
+            witness = self.client.witness()
+            cached = (witness, self.client.props(), self.client.models())
+            self._facts = cached
+        return fingerprint(cached[1], cached[2], self.kv_format)
 
     @property
     def kv_format(self) -> str | None:
@@ -276,19 +287,23 @@ class SlotSwitch:
 
     def _swap_to(self, session: Session, prompt: PromptView | None, slot: int,
                  placed: str = "") -> Lease:
+        started = time.monotonic()
         self.executor.touch(slot)  # until its record is read, a failure trusts nothing
         state = self.table.get(slot)
         self.executor.begin(slot, state)
-        view = self.slot_view(state, slot, trust_connection=state.key == session.key)
-        if plan.is_hit(state, session.key, view):
-            metrics.SWAPS.labels("none").inc()
-            metrics.SLOT_SWAPS.labels(str(slot), "none").inc()
-            # a hit needs no restore check: no prompt
-            return Lease(session.on_model(state.model), HIT, slot=slot)
-        started = time.monotonic()
+        view = plan.UNASKED
+        if state.key == session.key:
+            view = self.slot_view(state, slot, trust_connection=True)
+            if plan.is_hit(state, session.key, view):
+                metrics.SWAPS.labels("none").inc()
+                metrics.SLOT_SWAPS.labels(str(slot), "none").inc()
+                # a hit needs no restore check: no prompt
+                return Lease(session.on_model(state.model), HIT, slot=slot)
         made_by = self.current_made_by()
         session = session.on_model(plan.model_of(made_by))
         restoring_off = self.restore_check.restoring_off(fingerprint_key(made_by))
+        if view == plan.UNASKED and plan.swap_needs_view(state, session, restoring_off):
+            view = self.slot_view(state, slot)
         if restoring_off and view == EMPTY and state.tokens > 0:
             # The slot lost what kvproxy left in it: llama-server restarted, maybe with the
             # fix (--swa-full). Measure again rather than wait out the switch-off.
@@ -307,7 +322,7 @@ class SlotSwitch:
                  "id_slot=%d placed=%s", session.id, session.source, filled.cache, view,
                  filled.tokens, swap_ms, slot, placed or "admin")
         return Lease(session, filled.cache, filled.tokens, swap_ms, filled.stem, made_by,
-                     prompt, slot=slot, prefill=filled.prefill)
+                     prompt, slot=slot, prefill=filled.prefill, restore_ms=filled.restore_ms)
 
     def clear(self, slot: int | None = None) -> list[int]:
         """Save what a slot (default: every slot) holds, erase it and make ``default`` its
@@ -419,12 +434,20 @@ class SlotSwitch:
             self._used_at_written[slot] = now
         if done.verify_restore:
             self._verify_restore(lease, cache_n)
+        # The restore's own bookkeeping, written now rather than on the swap's critical path.
+        restored = lease.restore_note()
+        own = bool(restored) and lease.restored_stem == session.stem
+        if restored and not own:
+            self.store.update_sidecar(lease.restored_stem, {}, count="restores", **restored)
         if done.count_hit:
             self.store.update_sidecar(session.stem, {"session_id": session.id, "kind": "session"},
-                                      count="hits", session_id=session.id,
+                                      count=("hits", "restores") if own else "hits",
+                                      session_id=session.id,
                                       last_used_at=now_iso(), last_cache=lease.cache,
                                       last_cache_n=cache_n, last_prompt_n=prompt_n,
-                                      **({"trail": session.trail} if session.trail else {}))
+                                      **({"trail": session.trail} if session.trail else {}),
+                                      **({k: v for k, v in restored.items()
+                                          if k != "last_used_at"} if own else {}))
 
     def _held_after_cut(self, slot: int) -> int:
         """An answer that ended without timings (cut short at shutdown, client gone): ask

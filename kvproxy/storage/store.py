@@ -307,13 +307,13 @@ class SessionStore:
     def read_sidecar(self, stem: str) -> dict | None:
         return migrate_sidecar(read_json(self.sidecar_path(stem)))
 
-    def update_sidecar(self, stem: str, defaults: dict, count: str | None = None,
+    def update_sidecar(self, stem: str, defaults: dict, count: str | tuple[str, ...] = (),
                        **changes: Any) -> dict:
         """Merge ``changes`` into the sidecar, creating it from ``defaults`` if absent;
-        ``count`` names a counter to add one to, in the same read and write."""
+        ``count`` names the counters to add one to, in the same read and write."""
         sidecar = self.merged_sidecar(stem, defaults, **changes)
-        if count:
-            sidecar[count] = int(sidecar.get(count) or 0) + 1
+        for name in (count,) if isinstance(count, str) else count:
+            sidecar[name] = int(sidecar.get(name) or 0) + 1
         _write_or_storage_error(self.sidecar_path(stem), sidecar)
         return sidecar
 
