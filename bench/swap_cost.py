@@ -8,8 +8,11 @@ folder: kvproxy with ``KVPROXY_SAVE_BEHIND=true`` and with ``false``.
 
 Per swap it records kvproxy's ``swap to session=... swap_ms=...`` log line (what the request
 waited for: the save when there is one, the restore, kvproxy's own calls) and the sidecars'
-``restore_ms`` and ``save_ms`` (llama-server's own timings of the parts). The figure: the
-median swap with save behind against the median restore alone (issue 21: at most 1.15x).
+``restore_ms`` and ``save_ms`` (llama-server's own timings of the parts). Then, with kvproxy
+idle, it restores the run's files straight into llama-server and times each call as a client
+pays it (round trip included): "a restore alone". The figure: the median swap with save
+behind against the median restore alone (issue 21: at most 1.15x); the ratio to
+llama-server's own restore time is printed beside it.
 """
 from __future__ import annotations
 
@@ -111,6 +114,7 @@ def run_setting(key: str, work: Path, systems: list[str] | None, settings: dict,
                 time.sleep(settings["pause"])
         lines = swap_lines(Path(mode.proxy.log_path).read_text(errors="replace"))
         background = sidecar_times(mode.slot_dir)
+        alone = restores_alone(mode.llama_url, list(background), settings.get("alone", 10))
     finally:
         mode.stop()
     restored_lines = [line for line in lines if line["cache"] == "restored"]
@@ -120,7 +124,25 @@ def run_setting(key: str, work: Path, systems: list[str] | None, settings: dict,
     return {"env": env, "turns": rows, "systems": systems,
             "file_mb": round(max((s.get("saved_bytes") or 0) for s in background.values()) / 1e6, 1)
             if background else None,
-            "summary": summarize(restored_rows)}
+            "summary": {**summarize(restored_rows),
+                        "restore_call_ms": round(statistics.median(alone), 2) if alone else None},
+            "restores_alone_ms": alone}
+
+
+def restores_alone(llama_url: str, stems: list[str], rounds: int) -> list[float]:
+    """A restore alone, as any client of llama-server pays it: the wall time of
+    ``POST /slots/0?action=restore`` of the run's session files in turn (round trip included),
+    with kvproxy idle."""
+    times = []
+    with requests.Session() as http:
+        for i in range(rounds if stems else 0):
+            started = time.perf_counter()
+            reply = http.post(f"{llama_url}/slots/0?action=restore",
+                              json={"filename": f"{stems[i % len(stems)]}.bin"}, timeout=120)
+            elapsed = (time.perf_counter() - started) * 1000
+            if reply.status_code == 200:
+                times.append(round(elapsed, 2))
+    return times
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -142,8 +164,9 @@ def measure(settings: dict, work: Path, log) -> dict:
         systems = run.pop("systems")
         result["runs"][key] = run
     on, off = result["runs"]["on"]["summary"], result["runs"]["off"]["summary"]
-    result["ratio_on"] = ratio(on["swap_ms"], on["restore_ms"])
-    result["ratio_off"] = ratio(off["swap_ms"], off["restore_ms"])
+    result["ratio_on"] = ratio(on["swap_ms"], on["restore_call_ms"])
+    result["ratio_off"] = ratio(off["swap_ms"], off["restore_call_ms"])
+    result["ratio_on_inside"] = ratio(on["swap_ms"], on["restore_ms"])
     result["status"] = "PASS" if result["ratio_on"] is not None and \
         result["ratio_on"] <= TARGET_RATIO else "FAIL"
     return result
@@ -155,7 +178,9 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def text_report(result: dict) -> str:
     rows = [("median swap (kvproxy's swap_ms), ms", "swap_ms"),
-            ("median restore (sidecar restore_ms), ms", "restore_ms"),
+            ("median restore alone (POST /slots/0?action=restore, wall time), ms",
+             "restore_call_ms"),
+            ("median restore inside llama-server (its restore_ms), ms", "restore_ms"),
             ("median save during the request, ms", "save_on_path_ms"),
             ("swaps that saved during the request", "saves_on_path"),
             ("swaps measured", "swaps")]
@@ -168,7 +193,9 @@ def text_report(result: dict) -> str:
     lines.append("")
     lines.append(f"Target (issue 21): a swap whose outgoing session was saved behind costs at most "
                  f"{TARGET_RATIO}x a restore alone: **{result['status']}** "
-                 f"({_v(result['ratio_on'])}x; {on['file_mb']} MB session files).")
+                 f"({_v(result['ratio_on'])}x; {on['file_mb']} MB session files). Against "
+                 f"llama-server's own restore time, without the round trip any call pays: "
+                 f"{_v(result.get('ratio_on_inside'))}x.")
     return "\n".join(lines)
 
 

@@ -43,11 +43,14 @@ def test_summary_ratio_and_verdict():
                        "saves_on_path": 1}
     assert swap_cost.ratio(12.0, 10.0) == 1.2
     assert swap_cost.ratio(None, 10.0) is None and swap_cost.ratio(1.0, 0) is None
+    summary = {**summary, "restore_call_ms": 10.5}
     record = {"runs": {"on": {"summary": summary, "file_mb": 69.0},
                        "off": {"summary": {**summary, "swap_ms": 60.0}, "file_mb": 69.0}},
-              "ratio_on": 1.2, "ratio_off": 6.0, "status": "FAIL"}
+              "ratio_on": 1.14, "ratio_off": 5.71, "ratio_on_inside": 1.2, "status": "PASS"}
     text = swap_cost.text_report(record)
-    assert "**1.2x**" in text and "6.0x" in text and "FAIL" in text
+    assert "**1.14x**" in text and "5.71x" in text and "PASS" in text
+    assert "| 10.5 |" in text and "own restore time, without the round trip any call pays: 1.2x" \
+        in text
 
 
 def test_kv_bytes_per_token_from_a_gguf_header():

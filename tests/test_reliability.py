@@ -308,7 +308,7 @@ def test_an_unexpected_failure_in_a_swap_is_a_503_that_names_it_and_frees_the_sl
 
     def a_bug(*args, **kwargs):
         raise KeyError("a bug")
-    monkeypatch.setattr(switch, "current_made_by", a_bug)
+    monkeypatch.setattr(switch.fingerprints, "for_swap", a_bug)
     reply = app.test_client().post("/v1/chat/completions", json=CHAT)
     assert reply.status_code == 503 and int(reply.headers["Retry-After"]) >= 1
     assert reply.json["error"]["message"] == \
@@ -317,7 +317,7 @@ def test_an_unexpected_failure_in_a_swap_is_a_503_that_names_it_and_frees_the_sl
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt()
-    monkeypatch.setattr(switch, "current_made_by", interrupted)
+    monkeypatch.setattr(switch.fingerprints, "for_swap", interrupted)
     with pytest.raises(KeyboardInterrupt):
         switch.acquire(A)
     assert not switch.lock.held_here()

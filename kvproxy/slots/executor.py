@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from kvproxy.ops import metrics
 from kvproxy.sessions.identity import Session, base_stem
@@ -162,9 +162,11 @@ class SlotExecutor:
 
     # -- carrying out a plan -------------------------------------------------
     def carry_out(self, actions: list[Action], made_by: dict, prompt: PromptView | None,
-                  slot_ids: list[int], keep: set[str]) -> Filled:
+                  slot_ids: list[int], keep: set[str],
+                  beside_restore: Callable[[], None] | None = None) -> Filled:
         """Perform a swap's actions in order; the first Restore that succeeds ends the
-        filling (the remaining Refuse, Restore, Erase and MakeBase are skipped)."""
+        filling (the remaining Refuse, Restore, Erase and MakeBase are skipped).
+        ``beside_restore`` starts work that can run while llama-server restores."""
         filled: Filled | None = None
         restored = False
         for action in actions:
@@ -191,6 +193,8 @@ class SlotExecutor:
                 self.refuse(action)
             elif isinstance(action, Restore):
                 self.touch(action.slot)
+                if beside_restore is not None:
+                    beside_restore()
                 done = self.restore(action.stem, action.slot, made_by)
                 if done is not None:
                     filled = Filled(action.cache, done[0], action.stem, restore_ms=done[1])

@@ -275,6 +275,13 @@ def plan_swap(facts: SwapFacts) -> list[Action]:
     return actions
 
 
+def undoable(actions: list[Action]) -> bool:
+    """Whether a swap's actions can simply be done again if llama-server turned out to have
+    changed meanwhile (``slots.fingerprints``): they write no file named and stamped with its
+    fingerprint (no save, no base snapshot), they only claim, restore, erase and record."""
+    return not any(isinstance(action, (Save, MakeBase)) for action in actions)
+
+
 def worth_saving(state: SlotState) -> bool:
     """Whether the slot holds turns of a persistent session that its file lacks: ``OURS``
     means its file has them already (saved behind, or just restored), so a swap or a

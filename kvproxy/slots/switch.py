@@ -19,6 +19,7 @@ from kvproxy.ops import metrics
 from kvproxy.ops.activity import RecentActivity
 from kvproxy.sessions.identity import DEFAULT_SESSION, MODEL_SEPARATOR, Session, file_stem
 from kvproxy.slots import plan, restore_probe
+from kvproxy.slots.fingerprints import Fingerprints
 from kvproxy.slots.lease import Lease
 from kvproxy.slots.executor import (MIN_BASE_TOKENS, HeldElsewhere, PromptView,  # noqa: F401
                                     SlotExecutor)
@@ -73,8 +74,7 @@ class SlotSwitch:
         self._busy_since: dict[int, str] = {}
         # Per slot: when this process last wrote its used_at alone (see plan.after_answer).
         self._used_at_written: dict[int, float] = {}
-        # /props and /v1/models with the connection that vouches for them (current_made_by).
-        self._facts: tuple | None = None
+        self.fingerprints = Fingerprints(client, lambda: self.kv_format)
         # New turns saved in the background once a slot has settled (see save_behind).
         self.saver = SaveBehind(self.save_settled, save_behind_delay) if save_behind else None
 
@@ -255,16 +255,8 @@ class SlotSwitch:
         return self.client.slots()
 
     def current_made_by(self) -> dict:
-        """The running llama-server's fingerprint. ``/props`` and ``/v1/models`` are asked
-        again only when the connection of the last slot call before they were asked has
-        closed (``LlamaClient.still_open``): while it is open, llama-server has not restarted
-        and they are unchanged, so a swap does not pay two round trips for them."""
-        cached = self._facts
-        if cached is None or not self.client.still_open(cached[0]):
-            witness = self.client.witness()
-            cached = (witness, self.client.props(), self.client.models())
-            self._facts = cached
-        return fingerprint(cached[1], cached[2], self.kv_format)
+        """The running llama-server's fingerprint (``Fingerprints.now``)."""
+        return self.fingerprints.now()
 
     @property
     def kv_format(self) -> str | None:
@@ -299,7 +291,8 @@ class SlotSwitch:
                 metrics.SLOT_SWAPS.labels(str(slot), "none").inc()
                 # a hit needs no restore check: no prompt
                 return Lease(session.on_model(state.model), HIT, slot=slot)
-        made_by = self.current_made_by()
+        asked_for = session
+        made_by, asking = self.fingerprints.for_swap()
         session = session.on_model(plan.model_of(made_by))
         restoring_off = self.restore_check.restoring_off(fingerprint_key(made_by))
         if view == plan.UNASKED and plan.swap_needs_view(state, session, restoring_off):
@@ -310,12 +303,23 @@ class SlotSwitch:
             log.info("slot %d was emptied while restoring is off: probing restores again", slot)
             self.executor.touch(slot)
             restore_probe.probe_slot(self, self.client, slot, state)
-            made_by = self.current_made_by()
+            made_by, asking = self.current_made_by(), None
             restoring_off = self.restore_check.restoring_off(fingerprint_key(made_by))
         facts = self.executor.swap_facts(slot, state, session, view, made_by, restoring_off,
                                          self.base_snapshots, prompt is not None)
-        filled = self.executor.carry_out(plan.plan_swap(facts), made_by, prompt,
-                                         self.slot_ids(), keep=incoming_stems(session))
+        actions = plan.plan_swap(facts)
+        if asking is not None and not plan.undoable(actions):
+            if asking.changed(made_by) is not None:
+                return self._swap_to(asked_for, prompt, slot, placed)  # planned afresh
+            asking = None
+        filled = self.executor.carry_out(actions, made_by, prompt, self.slot_ids(),
+                                         keep=incoming_stems(session),
+                                         beside_restore=asking.start if asking else None)
+        if asking is not None and asking.changed(made_by) is not None:
+            log.warning("llama-server changed during the swap of slot %d (its fingerprint "
+                        "differs from the last one seen): swapping again", slot)
+            self.executor.mark_unproven(slot)
+            return self._swap_to(asked_for, prompt, slot, placed)
         metrics.SLOT_SWAPS.labels(str(slot), filled.cache).inc()
         swap_ms = (time.monotonic() - started) * 1000
         log.info("swap to session=%s source=%s cache=%s slot=%s restored_tokens=%d swap_ms=%.1f "

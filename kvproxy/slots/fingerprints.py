@@ -1,0 +1,86 @@
+"""llama-server's fingerprint (what made a slot file), known without holding up a swap.
+
+A file is restored only into the llama-server that made it (``plan.same_maker``), so a swap
+needs the running server's ``/props`` and ``/v1/models``: two round trips, a tenth of a
+small restore. They change only when llama-server restarts. While the connection of the
+last slot call before they were asked is still open, it has not (``LlamaClient.still_open``)
+and they are reused as they are. Otherwise a swap may plan with the last ones while they are
+asked again beside it (``for_swap``): a swap that only restores can be redone if they
+changed, one that would write a file waits for them first (``plan.undoable``).
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+from kvproxy.slots.plan import fingerprint
+from kvproxy.upstream.llama import LlamaClient
+
+# Longest wait for the fingerprint asked beside a swap: the client's own calls are bounded
+# too (30 s read timeout), this only keeps a stuck thread from holding the slot longer.
+CONFIRM_TIMEOUT_S = 60.0
+
+
+class Fingerprints:
+    """The running llama-server's fingerprint, asked as rarely as it can change."""
+
+    def __init__(self, client: LlamaClient, kv_format: Callable[[], str | None]):
+        self.client = client
+        self.kv_format = kv_format
+        self._facts: tuple[Any, dict, dict] | None = None  # (witness, /props, /v1/models)
+        self._lock = threading.Lock()
+        self._asker: ThreadPoolExecutor | None = None
+
+    def now(self) -> dict:
+        """The fingerprint, asked again unless llama-server provably did not restart."""
+        facts = self._facts
+        if facts is None or not self.client.still_open(facts[0]):
+            facts = self._ask()
+        return self._of(facts)
+
+    def for_swap(self) -> tuple[dict, "Asking | None"]:
+        """The fingerprint to plan a swap with, and, when nothing proves the last one still
+        holds, the same to ask again while the swap runs (None: proven, or just asked)."""
+        facts = self._facts
+        if facts is None:
+            return self._of(self._ask()), None
+        if self.client.still_open(facts[0]):
+            return self._of(facts), None
+        return self._of(facts), Asking(self)
+
+    def _submit(self) -> Future:
+        with self._lock:
+            if self._asker is None:
+                self._asker = ThreadPoolExecutor(2, thread_name_prefix="kvproxy-fingerprint")
+            return self._asker.submit(lambda: self._of(self._ask()))
+
+    def _ask(self) -> tuple[Any, dict, dict]:
+        witness = self.client.witness()
+        facts = (witness, self.client.props(), self.client.models())
+        self._facts = facts
+        return facts
+
+    def _of(self, facts: tuple[Any, dict, dict]) -> dict:
+        return fingerprint(facts[1], facts[2], self.kv_format())
+
+
+class Asking:
+    """The fingerprint asked again beside a swap: started when the swap's restore starts
+    (``start``; llama-server answers it while restoring), so it does not compete with the
+    swap's own work before that."""
+
+    def __init__(self, fingerprints: Fingerprints):
+        self._fingerprints = fingerprints
+        self._asked: Future | None = None
+
+    def start(self) -> None:
+        if self._asked is None:
+            self._asked = self._fingerprints._submit()
+
+    def changed(self, planned: dict) -> dict | None:
+        """The fingerprint when it differs from the one ``planned`` with (the swap must then
+        be redone); None when it is the same. Raises what asking raised."""
+        self.start()
+        fresh = self._asked.result(timeout=CONFIRM_TIMEOUT_S)
+        return fresh if fresh != planned else None

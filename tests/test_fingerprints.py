@@ -1,0 +1,60 @@
+"""llama-server's fingerprint during a swap: reused while proven, else asked beside the swap
+and the swap redone when it changed (stubbed llama-server)."""
+from kvproxy.sessions.identity import Session
+from kvproxy.slots import plan
+from kvproxy.slots.plan import Claim, Erase, MakeBase, Record, Restore, Save
+from kvproxy.slots.state import SlotState
+from kvproxy.slots.switch import MISS, RESTORED
+from tests.fake_llama import MODEL, make_switch
+
+A = Session("A", "test", system_hash="aaaa", model=MODEL)
+B = Session("B", "test", system_hash="bbbb", model=MODEL)
+
+
+def settled_turn(switch, session, fake, tokens):
+    lease = switch.acquire(session)
+    fake.tokens = tokens
+    switch.release(lease, {"cache_n": lease.restored_tokens,
+                           "prompt_n": tokens - lease.restored_tokens, "predicted_n": 0})
+    switch.save_settled(lease.slot)
+    return lease
+
+
+def props_asked(fake, since):
+    return sum(1 for c in fake.mock.calls[since:] if c.request.url.endswith("/props"))
+
+
+def test_a_swap_plans_with_the_last_fingerprint_and_asks_it_again_beside_the_restore(
+        tmp_path, fake):
+    switch = make_switch(tmp_path)
+    settled_turn(switch, A, fake, 40)
+    settled_turn(switch, B, fake, 30)
+    switch.client.still_open = lambda witness: False  # nothing proves llama-server the same
+    since = len(fake.mock.calls)
+    lease = switch.acquire(A)
+    assert lease.cache == RESTORED and fake.actions[-1] == ("restore", f"{A.stem}.bin")
+    assert props_asked(fake, since) == 1, "asked again, beside the restore"
+    switch.release(lease)
+
+
+def test_a_swap_is_done_again_when_llama_server_changed_meanwhile(tmp_path, fake):
+    switch = make_switch(tmp_path)
+    settled_turn(switch, A, fake, 40)
+    settled_turn(switch, B, fake, 30)
+    switch.client.still_open = lambda witness: False
+    fake.props["model_path"] = "/models/other.gguf"  # restarted with another model
+    fake.models["data"][0]["meta"] = {"size": 1, "n_params": 2}
+    lease = switch.acquire(A)
+    assert lease.made_by["model_path"] == "/models/other.gguf"
+    assert lease.cache == MISS, "no file of the old model is kept in the slot"
+    assert fake.actions[-2:] == [("restore", f"{A.stem}.bin"), ("erase", None)]
+    assert switch.table.get(0).model == "other" and lease.session.model == "other"
+    switch.release(lease)
+
+
+def test_only_a_swap_that_writes_no_file_is_done_before_the_fingerprint_is_confirmed():
+    state = SlotState()
+    restoring = [Claim(0, A), Restore(0, A.stem, RESTORED), Erase(0), Record(0, A)]
+    assert plan.undoable(restoring)
+    assert not plan.undoable([Save(0, state)] + restoring)
+    assert not plan.undoable(restoring[:-1] + [MakeBase(0, "aaaa"), Record(0, A)])
