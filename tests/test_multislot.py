@@ -237,11 +237,11 @@ def place_first_in_slot_1(switch, monkeypatch, first_wait=lambda: False):
     placements are the pool's own."""
     take, stale = switch.pool.take, [True]
 
-    def placed_before_the_table_changed(slot_ids, key, side, timeout=None):
+    def placed_before_the_table_changed(slot_ids, key, side, timeout=None, short=False):
         if stale.pop() if stale else False:
             switch.pool.lock(1).acquire()
             return Taken(1, first_wait(), FREE)
-        return take(slot_ids, key, side, timeout=timeout)
+        return take(slot_ids, key, side, timeout=timeout, short=short)
     monkeypatch.setattr(switch.pool, "take", placed_before_the_table_changed)
 
 

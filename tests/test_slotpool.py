@@ -65,3 +65,41 @@ def test_a_slot_s_last_use_in_this_process_never_goes_back(tmp_path):
     pool.note_use(1, "2026-01-01T10:00:01+00:00")
     pool.note_use(0, "2026-01-01T09:00:00+00:00")
     assert pool.used_here == {1: "2026-01-01T10:00:02+00:00", 0: "2026-01-01T09:00:00+00:00"}
+
+
+def test_a_returning_conversation_waits_ahead_of_new_ones_that_have_not_waited_long():
+    from kvproxy.slots.pool import OVERTAKE_S, _Waiter, queue_position
+    now = 1000.0
+
+    def waiter(short, waited):
+        w = _Waiter("k", False, short)
+        w.since = now - waited
+        return w
+    queue = [waiter(False, 5), waiter(True, 4), waiter(False, 3), waiter(False, 2)]
+    assert queue_position(queue, short=True, now=now) == 2, "before the new ones behind a short"
+    assert queue_position(queue, short=False, now=now) == 4, "new ones keep arrival order"
+    aged = [waiter(False, OVERTAKE_S + 1), waiter(False, 1)]
+    assert queue_position(aged, short=True, now=now) == 1, "one that waited long is not overtaken"
+    assert queue_position([], short=True, now=now) == 0
+
+
+def test_a_returning_conversation_is_served_before_a_new_one_that_came_first(tmp_path):
+    import threading
+    pool = SlotPool(SessionStore(tmp_path), timeout=10, max_waiters=4)
+    held = pool.take([0], "A", False).slot
+    served = []
+
+    def wait(key, short):
+        taken = pool.take([0], key, False, short=short)
+        served.append(key)
+        pool.give_back(taken.slot)
+    new = threading.Thread(target=wait, args=("new", False))
+    new.start()
+    time.sleep(0.2)
+    returning = threading.Thread(target=wait, args=("returning", True))
+    returning.start()
+    time.sleep(0.2)
+    pool.give_back(held)
+    new.join(5)
+    returning.join(5)
+    assert served == ["returning", "new"]

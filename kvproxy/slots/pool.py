@@ -11,6 +11,10 @@ that may stay busy for minutes.
 Requests of this process that cannot be placed wait in arrival order (bounded
 in time and in number, as before with one slot); every release wakes them,
 and they look again every ``POLL`` seconds for slots freed by other processes.
+One exception (``queue_position``): a returning conversation, whose turn is a restore and
+its few new tokens, goes before new ones that wait for a whole prefill, unless they have
+waited ``OVERTAKE_S`` already; so a chat in progress is not held up for minutes behind
+other users' long first prompts, and no request is overtaken forever.
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ from kvproxy.slots.state import SlotTable
 from kvproxy.storage.store import SessionStore
 
 POLL = 0.1  # seconds between looks at slots other processes may have freed
+# A request waiting this long is no longer overtaken by returning conversations.
+OVERTAKE_S = 120.0
 
 
 class Taken(NamedTuple):
@@ -34,10 +40,22 @@ class Taken(NamedTuple):
 
 
 class _Waiter:
-    __slots__ = ("key", "side")
+    __slots__ = ("key", "side", "short", "since")
 
-    def __init__(self, key: str | None, side: bool):
-        self.key, self.side = key, side
+    def __init__(self, key: str | None, side: bool, short: bool = False):
+        self.key, self.side, self.short = key, side, short
+        self.since = time.monotonic()
+
+
+def queue_position(queue: list, short: bool, now: float) -> int:
+    """Where a new waiter joins ``queue`` (waiters with ``short`` and ``since``): at the end,
+    except that a short one (a returning conversation) goes before the new conversations at
+    the end of the queue that have waited less than ``OVERTAKE_S``."""
+    index = len(queue)
+    while short and index > 0 and not queue[index - 1].short \
+            and now - queue[index - 1].since < OVERTAKE_S:
+        index -= 1
+    return index
 
 
 class SlotPool:
@@ -73,16 +91,17 @@ class SlotPool:
         return {slot for slot, lock in self._locks.items() if lock.held_here()} | elsewhere
 
     def take(self, slot_ids: list[int], key: str | None, side: bool,
-             timeout: float | None = None) -> "Taken":
+             timeout: float | None = None, short: bool = False) -> "Taken":
         """Lease the slot ``placement`` picks for ``key``; wait (bounded) when none can be
-        had. Returns the slot, whether the request waited and why that slot. Raises ``SlotBusy`` (bound reached, queue full) or
-        ``SlotUnavailable`` (the lock cannot be taken at all)."""
+        had, in arrival order but for ``short`` requests (``queue_position``). Returns the
+        slot, whether the request waited and why that slot. Raises ``SlotBusy`` (bound
+        reached, queue full) or ``SlotUnavailable`` (the lock cannot be taken at all)."""
         bound = self.timeout if timeout is None else timeout
         started = time.monotonic()
-        me = _Waiter(key, side)
+        me = _Waiter(key, side, short)
         counted = waited = False
         with self._cond:
-            self._queue.append(me)
+            self._queue.insert(queue_position(self._queue, short, me.since), me)
         try:
             while True:
                 # One slot: nothing to choose between, so the table is not read (the

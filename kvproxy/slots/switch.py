@@ -117,10 +117,13 @@ class SlotSwitch:
         """
         deadline = time.monotonic() + self.lock_timeout
         waited_before = False
+        # A conversation with a file of its own needs a restore and its new tokens, not a
+        # whole prefill: it waits ahead of new conversations (``pool.queue_position``).
+        returning = session.persistent and self.store.has_bin(session.stem)
         while True:
             slot, waited, placed = self.pool.take(
                 self.slot_ids(), session.key, not session.persistent,
-                timeout=max(0.0, deadline - time.monotonic()))
+                timeout=max(0.0, deadline - time.monotonic()), short=returning)
             waited = waited or waited_before
             taken_at = time.monotonic()
             try:
