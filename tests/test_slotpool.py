@@ -67,20 +67,22 @@ def test_a_slot_s_last_use_in_this_process_never_goes_back(tmp_path):
     assert pool.used_here == {1: "2026-01-01T10:00:02+00:00", 0: "2026-01-01T09:00:00+00:00"}
 
 
-def test_a_returning_conversation_waits_ahead_of_new_ones_that_have_not_waited_long():
-    from kvproxy.slots.pool import OVERTAKE_S, _Waiter, queue_position
-    now = 1000.0
+def test_a_returning_conversation_waits_ahead_of_new_ones_overtaken_less_than_the_limit():
+    from kvproxy.slots.pool import MAX_OVERTAKEN, _Waiter, queue_position
 
-    def waiter(short, waited):
+    def waiter(short, overtaken=0):
         w = _Waiter("k", False, short)
-        w.since = now - waited
+        w.overtaken = overtaken
         return w
-    queue = [waiter(False, 5), waiter(True, 4), waiter(False, 3), waiter(False, 2)]
-    assert queue_position(queue, short=True, now=now) == 2, "before the new ones behind a short"
-    assert queue_position(queue, short=False, now=now) == 4, "new ones keep arrival order"
-    aged = [waiter(False, OVERTAKE_S + 1), waiter(False, 1)]
-    assert queue_position(aged, short=True, now=now) == 1, "one that waited long is not overtaken"
-    assert queue_position([], short=True, now=now) == 0
+    queue = [waiter(False), waiter(True), waiter(False), waiter(False)]
+    assert queue_position(queue, short=True) == 2, "before the new ones behind a short one"
+    assert [w.overtaken for w in queue] == [0, 0, 1, 1], "each counts being overtaken"
+    assert queue_position(queue, short=False) == 4, "new ones keep arrival order"
+    worn = [waiter(False, MAX_OVERTAKEN), waiter(False, MAX_OVERTAKEN - 1)]
+    assert queue_position(worn, short=True) == 1, "one overtaken often enough keeps its place"
+    assert worn[1].overtaken == MAX_OVERTAKEN
+    assert queue_position(worn, short=True) == 2
+    assert queue_position([], short=True) == 0
 
 
 def test_a_returning_conversation_is_served_before_a_new_one_that_came_first(tmp_path):

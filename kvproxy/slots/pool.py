@@ -12,9 +12,10 @@ Requests of this process that cannot be placed wait in arrival order (bounded
 in time and in number, as before with one slot); every release wakes them,
 and they look again every ``POLL`` seconds for slots freed by other processes.
 One exception (``queue_position``): a returning conversation, whose turn is a restore and
-its few new tokens, goes before new ones that wait for a whole prefill, unless they have
-waited ``OVERTAKE_S`` already; so a chat in progress is not held up for minutes behind
-other users' long first prompts, and no request is overtaken forever.
+its few new tokens, goes before new ones that wait for a whole prefill, unless they were
+overtaken ``MAX_OVERTAKEN`` times already; so a chat in progress is not held up for minutes
+behind other users' long first prompts, and a new one waits at most that many short turns
+longer than in arrival order.
 """
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ from kvproxy.slots.state import SlotTable
 from kvproxy.storage.store import SessionStore
 
 POLL = 0.1  # seconds between looks at slots other processes may have freed
-# A request waiting this long is no longer overtaken by returning conversations.
-OVERTAKE_S = 120.0
+# A new conversation overtaken this many times by returning ones is not overtaken again.
+MAX_OVERTAKEN = 16
 
 
 class Taken(NamedTuple):
@@ -40,21 +41,24 @@ class Taken(NamedTuple):
 
 
 class _Waiter:
-    __slots__ = ("key", "side", "short", "since")
+    __slots__ = ("key", "side", "short", "overtaken")
 
     def __init__(self, key: str | None, side: bool, short: bool = False):
         self.key, self.side, self.short = key, side, short
-        self.since = time.monotonic()
+        self.overtaken = 0
 
 
-def queue_position(queue: list, short: bool, now: float) -> int:
-    """Where a new waiter joins ``queue`` (waiters with ``short`` and ``since``): at the end,
-    except that a short one (a returning conversation) goes before the new conversations at
-    the end of the queue that have waited less than ``OVERTAKE_S``."""
+def queue_position(queue: list, short: bool) -> int:
+    """Where a new waiter joins ``queue`` (waiters with ``short`` and ``overtaken``): at the
+    end, except that a short one (a returning conversation) goes before the new
+    conversations at the end of the queue that were overtaken less than ``MAX_OVERTAKEN``
+    times (each of them counts one more)."""
     index = len(queue)
     while short and index > 0 and not queue[index - 1].short \
-            and now - queue[index - 1].since < OVERTAKE_S:
+            and queue[index - 1].overtaken < MAX_OVERTAKEN:
         index -= 1
+    for passed in queue[index:]:
+        passed.overtaken += 1
     return index
 
 
@@ -101,7 +105,7 @@ class SlotPool:
         me = _Waiter(key, side, short)
         counted = waited = False
         with self._cond:
-            self._queue.insert(queue_position(self._queue, short, me.since), me)
+            self._queue.insert(queue_position(self._queue, short), me)
         try:
             while True:
                 # One slot: nothing to choose between, so the table is not read (the
