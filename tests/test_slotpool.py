@@ -105,3 +105,20 @@ def test_a_returning_conversation_is_served_before_a_new_one_that_came_first(tmp
     new.join(5)
     returning.join(5)
     assert served == ["returning", "new"]
+
+
+def test_the_switch_counts_a_conversation_with_a_file_on_its_model_as_returning(tmp_path, fake):
+    from tests.fake_llama import MODEL
+    switch = make_switch(tmp_path)
+    a = Session("A", "test")  # as a request names it: no model yet
+    assert not switch._returning(a)
+    lease = switch.acquire(a)
+    fake.tokens = 40
+    switch.release(lease, {"cache_n": 0, "prompt_n": 40, "predicted_n": 0})
+    assert switch._returning(a), "in the slot"
+    switch.save_settled(0)
+    switch.release(switch.acquire(Session("B", "test")))  # evicts A: on disk only now
+    assert switch.store.has_bin(a.on_model(MODEL).stem)
+    assert switch._returning(a)
+    assert not switch._returning(Session("C", "test")), "a new conversation"
+    assert not switch._returning(Session("side", "side-request", persistent=False))

@@ -14,7 +14,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
-from kvproxy.slots.plan import fingerprint
+from kvproxy.slots.plan import fingerprint, model_of
 from kvproxy.upstream.llama import LlamaClient
 
 # Longest wait for the fingerprint asked beside a swap: the client's own calls are bounded
@@ -48,6 +48,11 @@ class Fingerprints:
         if self.client.still_open(facts[0]):
             return self._of(facts), None
         return self._of(facts), Asking(self)
+
+    def last_model(self) -> str | None:
+        """The tag of the model in the last fingerprint asked (None before the first)."""
+        facts = self._facts
+        return model_of(self._of(facts)) if facts else None
 
     def _submit(self) -> Future:
         with self._lock:

@@ -117,9 +117,7 @@ class SlotSwitch:
         """
         deadline = time.monotonic() + self.lock_timeout
         waited_before = False
-        # A conversation with a file of its own needs a restore and its new tokens, not a
-        # whole prefill: it waits ahead of new conversations (``pool.queue_position``).
-        returning = session.persistent and self.store.has_bin(session.stem)
+        returning = self._returning(session)
         while True:
             slot, waited, placed = self.pool.take(
                 self.slot_ids(), session.key, not session.persistent,
@@ -153,6 +151,21 @@ class SlotSwitch:
             lease.leased_at = taken_at
             lease._release = lambda: self.pool.give_back(slot)
             return lease
+
+    def _returning(self, session: Session) -> bool:
+        """A conversation a slot holds, or with a file of its own (on the model last seen
+        running): its turn is a hit or a restore and its new tokens, not a whole prefill, so
+        it waits ahead of new conversations (``pool.queue_position``). Asks llama-server
+        nothing."""
+        if not session.persistent:
+            return False
+        try:
+            if any(state.key == session.key for state in self.table.read().values()):
+                return True  # in a slot, or being saved from one by the swap that evicts it
+        except (OSError, StorageError):
+            return False  # the swap meets the same failure and answers for it
+        model = session.model or self.fingerprints.last_model()
+        return self.store.has_bin(session.on_model(model).stem)
 
     def mark_unknown(self, slot: int) -> None:
         """After a failed swap: trust nothing the slot holds until its next good swap."""
