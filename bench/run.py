@@ -292,6 +292,20 @@ def main(argv: list[str] | None = None) -> int:
 SWAP_START, SWAP_END = "<!-- bench-swap:start -->", "<!-- bench-swap:end -->"
 
 
+def drop_work(work: Path, keep: bool, log) -> None:
+    """A scenario's work folder: removed, or kept (``--keep``) and named."""
+    if not keep:
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        log(f"kept {work}")
+
+
+def stamp_end(record: dict, started: float) -> None:
+    """The load average at the end and the seconds since ``started``, into ``record``."""
+    record["loadavg_end"] = loadavg()
+    record["duration_seconds"] = round(time.monotonic() - started, 1)
+
+
 def swap_scenario(args: argparse.Namespace, argv: list[str] | None, log) -> int:
     """Swap cost with save behind on and off (bench/swap_cost.py); publishes like the others."""
     started = time.monotonic()
@@ -313,12 +327,8 @@ def swap_scenario(args: argparse.Namespace, argv: list[str] | None, log) -> int:
         log(f"swap scenario failed: {exc!r}; nothing published (--keep keeps its logs)")
         return 0
     finally:
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
-        else:
-            log(f"kept {work}")
-    record["loadavg_end"] = loadavg()
-    record["duration_seconds"] = round(time.monotonic() - started, 1)
+        drop_work(work, args.keep, log)
+    stamp_end(record, started)
     text = swap_cost.text_report(record)
     log("\n" + text)
     name = f"{args.name_given}-swap" if args.name_given else ("swap-quick" if args.quick else "swap")
@@ -372,12 +382,8 @@ def concurrency_scenario(args: argparse.Namespace, argv: list[str] | None, log) 
         log("interrupted")
         conc["interrupted"] = True
     finally:
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
-        else:
-            log(f"kept {work}")
-    conc["loadavg_end"] = loadavg()
-    conc["duration_seconds"] = round(time.monotonic() - started, 1)
+        drop_work(work, args.keep, log)
+    stamp_end(conc, started)
     if conc.get("interrupted"):
         if not any(g.get("summaries") for g in conc.get("groups") or []):
             return 1
@@ -503,21 +509,16 @@ def main_scenario(args: argparse.Namespace, argv: list[str] | None, log) -> int:
     finally:
         if active is not None:
             active.stop()
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
-        else:
-            log(f"kept {work}")
+        drop_work(work, args.keep, log)
     if not ok:
         if run["workload"]:
             log("publishing what was measured before the interruption (docs/benchmark.md left alone)")
             args.name, args.page = args.name + "-interrupted", False
-            run["loadavg_end"] = loadavg()
-            run["duration_seconds"] = round(time.monotonic() - started, 1)
+            stamp_end(run, started)
             publish(run, args, log)
         return 1
 
-    run["loadavg_end"] = loadavg()
-    run["duration_seconds"] = round(time.monotonic() - started, 1)
+    stamp_end(run, started)
     return publish(run, args, log)
 
 

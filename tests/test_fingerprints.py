@@ -1,21 +1,16 @@
 """llama-server's fingerprint during a swap: reused while proven, else asked beside the swap
 and the swap redone when it changed (stubbed llama-server)."""
-from kvproxy.sessions.identity import Session
 from kvproxy.slots import plan
 from kvproxy.slots.plan import Claim, Erase, MakeBase, Record, Restore, Save
 from kvproxy.slots.state import SlotState
 from kvproxy.slots.switch import MISS, RESTORED
-from tests.fake_llama import MODEL, make_switch
-
-A = Session("A", "test", system_hash="aaaa", model=MODEL)
-B = Session("B", "test", system_hash="bbbb", model=MODEL)
+from tests.fake_llama import make_switch
+from tests.test_save_behind import A, B, turn
 
 
 def settled_turn(switch, session, fake, tokens):
-    lease = switch.acquire(session)
-    fake.tokens = tokens
-    switch.release(lease, {"cache_n": lease.restored_tokens,
-                           "prompt_n": tokens - lease.restored_tokens, "predicted_n": 0})
+    """A turn, then its save behind."""
+    lease = turn(switch, session, fake, tokens)
     switch.save_settled(lease.slot)
     return lease
 
