@@ -92,7 +92,7 @@ def test_a_returning_conversation_is_served_before_a_new_one_that_came_first(tmp
     served = []
 
     def wait(key, short):
-        taken = pool.take([0], key, False, short=short)
+        taken = pool.take([0], key, False, short=lambda: short)
         served.append(key)
         pool.give_back(taken.slot)
     new = threading.Thread(target=wait, args=("new", False))

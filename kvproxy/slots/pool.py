@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from kvproxy.ops import metrics
 from kvproxy.slots.placement import facts_from_table, queue_order
@@ -95,17 +95,19 @@ class SlotPool:
         return {slot for slot, lock in self._locks.items() if lock.held_here()} | elsewhere
 
     def take(self, slot_ids: list[int], key: str | None, side: bool,
-             timeout: float | None = None, short: bool = False) -> "Taken":
+             timeout: float | None = None,
+             short: Callable[[], bool] | None = None) -> "Taken":
         """Lease the slot ``placement`` picks for ``key``; wait (bounded) when none can be
-        had, in arrival order but for ``short`` requests (``queue_position``). Returns the
-        slot, whether the request waited and why that slot. Raises ``SlotBusy`` (bound
-        reached, queue full) or ``SlotUnavailable`` (the lock cannot be taken at all)."""
+        had, in arrival order but for requests that ``short`` says are short, asked only
+        once the request has to wait (``queue_position``). Returns the slot, whether the
+        request waited and why that slot. Raises ``SlotBusy`` (bound reached, queue full) or
+        ``SlotUnavailable`` (the lock cannot be taken at all)."""
         bound = self.timeout if timeout is None else timeout
         started = time.monotonic()
-        me = _Waiter(key, side, short)
+        me = _Waiter(key, side)
         counted = waited = False
         with self._cond:
-            self._queue.insert(queue_position(self._queue, short), me)
+            self._queue.append(me)
         try:
             while True:
                 # One slot: nothing to choose between, so the table is not read (the
@@ -125,12 +127,17 @@ class SlotPool:
                             self._elsewhere[decision.slot] = time.monotonic() + POLL
                     continue
                 if not counted:
+                    moves_up = short is not None and short()
                     with self._cond:
                         if self.waiting >= self.max_waiters:
                             metrics.REJECTED.labels("queue_full").inc()
                             raise SlotBusy(0, retry_after=self._retry_after(bound), queue_full=True)
                         self.waiting += 1
                         metrics.WAITERS.inc()
+                        if moves_up:
+                            self._queue.remove(me)
+                            me.short = True
+                            self._queue.insert(queue_position(self._queue, True), me)
                     counted = waited = True
                 remaining = bound - (time.monotonic() - started)
                 if remaining <= 0:

@@ -117,11 +117,11 @@ class SlotSwitch:
         """
         deadline = time.monotonic() + self.lock_timeout
         waited_before = False
-        returning = self._returning(session)
         while True:
             slot, waited, placed = self.pool.take(
                 self.slot_ids(), session.key, not session.persistent,
-                timeout=max(0.0, deadline - time.monotonic()), short=returning)
+                timeout=max(0.0, deadline - time.monotonic()),
+                short=lambda: self._returning(session))
             waited = waited or waited_before
             taken_at = time.monotonic()
             try:
