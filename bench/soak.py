@@ -42,6 +42,9 @@ from kvproxy.slots.lease import header_safe
 APIS = ("openai", "anthropic", "ollama")
 OLLAMA_MODEL = ["?"]  # the served name, read from /api/tags at start
 POOL_THREADS = 16
+# kvproxy's own long-lived threads besides the pool: the save-behind saver and the thread
+# that asks llama-server's fingerprint beside a swap (each started on first use).
+BACKGROUND_THREADS = 2
 # A miss may still share the chat template's first tokens with what the slot held.
 MISS_REUSE_MAX = 16
 
@@ -447,9 +450,10 @@ def run(config: Config, work_dir: Path, out=sys.stdout) -> dict:
         report["problems"] += slot_is_free(urls, llama.url)
         report["problems"] += files_match_sidecars(slot_dir)
         for n, (b, a) in enumerate(zip(before, after)):
-            # gunicorn starts pool threads on demand, up to KVPROXY_THREADS: past the idle
-            # count, only more than the pool is growth.
-            if a[0] > max(b[0], idle[n][0] + POOL_THREADS) or a[1] > b[1] + 8:
+            # gunicorn starts pool threads on demand, up to KVPROXY_THREADS, and kvproxy
+            # its background threads: past the idle count, only more than those is growth.
+            if a[0] > max(b[0], idle[n][0] + POOL_THREADS + BACKGROUND_THREADS) \
+                    or a[1] > b[1] + 8:
                 report["problems"].append(f"kvproxy {n} grew: threads {b[0]} -> {a[0]}, "
                                           f"fds {b[1]} -> {a[1]}")
         report["processes"] = [{"threads": [b[0], a[0]], "fds": [b[1], a[1]]}

@@ -1,6 +1,9 @@
 """llama-server's fingerprint during a swap: reused while proven, else asked beside the swap
 and the swap redone when it changed (stubbed llama-server)."""
+import threading
+
 from kvproxy.slots import plan
+from kvproxy.slots.fingerprints import Asking
 from kvproxy.slots.plan import Claim, Erase, MakeBase, Record, Restore, Save
 from kvproxy.slots.state import SlotState
 from kvproxy.slots.switch import MISS, RESTORED
@@ -53,3 +56,28 @@ def test_only_a_swap_that_writes_no_file_is_done_before_the_fingerprint_is_confi
     assert plan.undoable(restoring)
     assert not plan.undoable([Save(0, state)] + restoring)
     assert not plan.undoable(restoring[:-1] + [MakeBase(0, "aaaa"), Record(0, A)])
+
+
+def test_swaps_that_ask_at_the_same_time_share_one_question(tmp_path, fake):
+    switch = make_switch(tmp_path)
+    settled_turn(switch, A, fake, 40)
+    fingerprints = switch.fingerprints
+    planned = fingerprints.now()
+    release = threading.Event()
+    asked = []
+    real_ask = fingerprints._ask
+
+    def slow_ask():
+        asked.append(1)
+        assert release.wait(10)
+        return real_ask()
+
+    fingerprints._ask = slow_ask
+    first, second = Asking(fingerprints), Asking(fingerprints)
+    first.start()
+    second.start()
+    release.set()
+    assert first.changed(planned) is None and second.changed(planned) is None
+    assert len(asked) == 1, "one question in flight serves both swaps"
+    assert Asking(fingerprints).changed(planned) is None and len(asked) == 2, \
+        "once answered, the next swap asks again"

@@ -30,7 +30,9 @@ class Fingerprints:
         self.kv_format = kv_format
         self._facts: tuple[Any, dict, dict] | None = None  # (witness, /props, /v1/models)
         self._lock = threading.Lock()
+        # One thread, one question at a time: swaps on several slots share the answer.
         self._asker: ThreadPoolExecutor | None = None
+        self._asking: Future | None = None
 
     def now(self) -> dict:
         """The fingerprint, asked again unless llama-server provably did not restart."""
@@ -56,9 +58,12 @@ class Fingerprints:
 
     def _submit(self) -> Future:
         with self._lock:
+            if self._asking is not None and not self._asking.done():
+                return self._asking
             if self._asker is None:
-                self._asker = ThreadPoolExecutor(2, thread_name_prefix="kvproxy-fingerprint")
-            return self._asker.submit(lambda: self._of(self._ask()))
+                self._asker = ThreadPoolExecutor(1, thread_name_prefix="kvproxy-fingerprint")
+            self._asking = self._asker.submit(lambda: self._of(self._ask()))
+            return self._asking
 
     def _ask(self) -> tuple[Any, dict, dict]:
         witness = self.client.witness()
