@@ -42,9 +42,10 @@ from kvproxy.slots.lease import header_safe
 APIS = ("openai", "anthropic", "ollama")
 OLLAMA_MODEL = ["?"]  # the served name, read from /api/tags at start
 POOL_THREADS = 16
-# kvproxy's own long-lived threads besides the pool: the save-behind saver and the thread
-# that asks llama-server's fingerprint beside a swap (each started on first use).
-BACKGROUND_THREADS = 2
+# kvproxy's own long-lived threads besides the pool, each started on first use: the
+# save-behind saver, the one that asks llama-server's fingerprint beside a swap, and the one
+# that watches whole answers' clients.
+BACKGROUND_THREADS = 3
 # A miss may still share the chat template's first tokens with what the slot held.
 MISS_REUSE_MAX = 16
 

@@ -51,11 +51,47 @@ def test_a_whole_answer_whose_client_left_closes_the_upstream_request():
     try:
         with pytest.raises(ClientGone):
             client.post_json("/v1/chat/completions", {"messages": []},
-                             still_wanted=lambda: time.monotonic() < gone_at, every=0.05)
+                             still_wanted=lambda: time.monotonic() < gone_at)
         assert time.monotonic() - started < 2, "the request outlived its client"
         assert server.hung_up.wait(2), "llama-server never saw the connection close"
     finally:
         server.close()
+
+
+def test_one_thread_watches_every_call_and_a_failing_question_spoils_none():
+    servers = [SlowServer(), SlowServer()]
+    asked = []
+
+    def fails_once_then_gone() -> bool:
+        asked.append(1)
+        if len(asked) == 1:
+            raise RuntimeError("a broken check")
+        return False
+
+    checks = [fails_once_then_gone, lambda: False]
+    outcomes: list = []
+
+    def call(server, still_wanted):
+        client = LlamaClient(f"http://127.0.0.1:{server.port}", read_timeout=30)
+        try:
+            client.post_json("/v1/chat/completions", {"messages": []}, still_wanted=still_wanted)
+        except ClientGone as exc:
+            outcomes.append(exc)
+
+    callers = [threading.Thread(target=call, args=pair, daemon=True)
+               for pair in zip(servers, checks)]
+    try:
+        for caller in callers:
+            caller.start()
+        for caller in callers:
+            caller.join(5)
+        assert len(outcomes) == 2, "both calls were cut once their clients were gone"
+        assert all(server.hung_up.wait(2) for server in servers)
+        watchers = [t for t in threading.enumerate() if t.name == "kvproxy-client-watch"]
+        assert len(watchers) == 1
+    finally:
+        for server in servers:
+            server.close()
 
 
 def test_a_client_that_stays_keeps_its_request():

@@ -9,16 +9,12 @@ from __future__ import annotations
 
 import json
 import re
-import socket
-import threading
 from typing import Any, Callable, Iterator
 
 import requests
-from requests.adapters import HTTPAdapter
-from urllib3.connection import HTTPConnection, HTTPSConnection
-from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
 from kvproxy.errors import ClientGone, UpstreamError, UpstreamUnavailable, map_exceptions
+from kvproxy.upstream.watch import CuttableAdapter, cut_when_gone
 
 __all__ = ["LlamaClient", "UpstreamError", "UpstreamUnavailable", "sse_events", "upstream_error"]
 
@@ -65,68 +61,6 @@ def upstream_error(status: int, message: str) -> "UpstreamError":
     return error
 
 
-# -- closing a whole answer's request when its client leaves -----------------------------
-_calling = threading.local()  # the watch of the call this thread is making, if any
-
-
-class _Watch:
-    """One call another thread may cut: the connection it runs on, and whether it was cut."""
-
-    def __init__(self) -> None:
-        self.connection: HTTPConnection | None = None
-        self.cut = False
-        self.finished = False
-        self.lock = threading.Lock()
-
-    def cut_now(self) -> bool:
-        """Shut the call's connection down: llama-server sees it close and stops the task.
-        False while there is nothing to cut yet (still connecting)."""
-        with self.lock:
-            if self.finished:
-                return True
-            sock = getattr(self.connection, "sock", None)
-            if sock is None:
-                return False
-            self.cut = True
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            return True
-
-
-class _Noted:
-    """A urllib3 connection that tells the watch of the calling thread it carries the call."""
-
-    def request(self, *args: Any, **kwargs: Any) -> Any:
-        watch = getattr(_calling, "watch", None)
-        if watch is not None:
-            watch.connection = self
-        return super().request(*args, **kwargs)
-
-
-class _NotedHTTPConnection(_Noted, HTTPConnection):
-    pass
-
-
-class _NotedHTTPSConnection(_Noted, HTTPSConnection):
-    pass
-
-
-class _HTTPPool(HTTPConnectionPool):
-    ConnectionCls = _NotedHTTPConnection
-
-
-class _HTTPSPool(HTTPSConnectionPool):
-    ConnectionCls = _NotedHTTPSConnection
-
-
-class _Adapter(HTTPAdapter):
-    def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
-        super().init_poolmanager(*args, **kwargs)
-        self.poolmanager.pool_classes_by_scheme = {"http": _HTTPPool, "https": _HTTPSPool}
-
-
 class LlamaClient:
     """One llama-server, reached over HTTP with bounded waits.
 
@@ -149,7 +83,7 @@ class LlamaClient:
         # call cost about half a millisecond, and an internet proxy must not carry it.
         self.http.trust_env = False
         for prefix in ("http://", "https://"):
-            self.http.mount(prefix, _Adapter())
+            self.http.mount(prefix, CuttableAdapter())
         if api_key:  # llama-server started with --api-key: every call, relayed ones too
             self.http.headers["Authorization"] = f"Bearer {api_key}"
         self._witness: tuple[Any, Any] | None = None
@@ -293,34 +227,20 @@ class LlamaClient:
     # -- generation --------------------------------------------------------
     # Callers hold the slot: these calls count as slot calls for restart detection.
     def post_json(self, path: str, body: dict,
-                  still_wanted: Callable[[], bool] | None = None, every: float = 0.25) -> dict:
-        """A whole answer. With ``still_wanted``, a watcher asks it every ``every`` seconds
-        while llama-server works, and once it says no closes the request's connection:
+                  still_wanted: Callable[[], bool] | None = None) -> dict:
+        """A whole answer. With ``still_wanted``, the client watcher asks it a few times a
+        second while llama-server works, and once it says no closes the request's connection:
         llama-server stops the task, and this raises ``ClientGone``."""
         if still_wanted is None:
             return self._json("POST", path, json=body, slot_call=True)
-        watch = _Watch()
-        done = threading.Event()
-
-        def watch_client() -> None:
-            while not done.wait(every):
-                if not still_wanted() and watch.cut_now():
-                    return
-
-        _calling.watch = watch
-        threading.Thread(target=watch_client, name="kvproxy-client-watch", daemon=True).start()
-        try:
-            return self._json("POST", path, json=body, slot_call=True)
-        except (UpstreamUnavailable, UpstreamError) as exc:
-            if watch.cut:
-                raise ClientGone("the client left before its answer was ready: "
-                                 "llama-server's task was stopped") from exc
-            raise
-        finally:
-            _calling.watch = None
-            with watch.lock:
-                watch.finished = True
-            done.set()
+        with cut_when_gone(still_wanted) as watch:
+            try:
+                return self._json("POST", path, json=body, slot_call=True)
+            except (UpstreamUnavailable, UpstreamError) as exc:
+                if watch.cut:
+                    raise ClientGone("the client left before its answer was ready: "
+                                     "llama-server's task was stopped") from exc
+                raise
 
     def post_stream(self, path: str, body: dict) -> requests.Response:
         """Open a streaming POST; the caller reads it with ``sse_events`` and closes it."""
