@@ -5,7 +5,7 @@ import threading
 from kvproxy.slots import plan
 from kvproxy.slots.fingerprints import Asking
 from kvproxy.slots.plan import Claim, Erase, MakeBase, Record, Restore, Save
-from kvproxy.slots.state import SlotState
+from kvproxy.slots.state import Phase, SlotState
 from kvproxy.slots.switch import MISS, RESTORED
 from tests.fake_llama import make_switch
 from tests.test_save_behind import A, B, turn
@@ -81,3 +81,36 @@ def test_swaps_that_ask_at_the_same_time_share_one_question(tmp_path, fake):
     assert len(asked) == 1, "one question in flight serves both swaps"
     assert Asking(fingerprints).changed(planned) is None and len(asked) == 2, \
         "once answered, the next swap asks again"
+
+
+def test_a_restoring_swap_writes_the_state_table_once_and_the_answer_writes_its_record(
+        tmp_path, fake, monkeypatch):
+    switch = make_switch(tmp_path)
+    settled_turn(switch, A, fake, 40)
+    settled_turn(switch, B, fake, 30)
+    writes = []
+    real_change = switch.store.change_table
+    monkeypatch.setattr(switch.store, "change_table",
+                        lambda change: writes.append(1) or real_change(change))
+    lease = switch.acquire(A)
+    assert lease.cache == RESTORED and len(writes) == 1, "the claim, before the restore"
+    assert switch.table.get(0).phase is Phase.CLAIMED and switch.table.get(0).key == A.key
+    assert switch.slot_listing()[0]["unproven"] is False, "this process knows the swap is done"
+    switch.release(lease, {"cache_n": 40, "prompt_n": 5, "predicted_n": 2})
+    assert len(writes) == 2, "the record comes with the request's own bookkeeping"
+    state = switch.table.get(0)
+    assert (state.phase, state.key, state.tokens) == (Phase.UNSAVED, A.key, 47)
+
+
+def test_a_process_gone_before_the_answer_leaves_the_slot_untrusted(tmp_path, fake):
+    switch = make_switch(tmp_path)
+    settled_turn(switch, A, fake, 40)
+    settled_turn(switch, B, fake, 30)
+    dying = switch.acquire(A)               # restored; the process dies before the answer:
+    dying._release()                        # its locks go with it, its bookkeeping is not done
+    fake.actions.clear()
+    restarted = make_switch(tmp_path)
+    lease = restarted.acquire(A)
+    assert lease.cache == RESTORED and fake.actions[0] == ("restore", f"{A.stem}.bin"), \
+        "a claimed slot is never trusted: the file is restored again"
+    restarted.release(lease)

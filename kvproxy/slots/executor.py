@@ -105,6 +105,9 @@ class SlotExecutor:
         self.n_ctx: dict[int, int] = {}        # per slot, from /slots
         self.witness: dict[int, Any] = {}      # per slot, see view()
         self.kv_format: str | None = None      # what the last file read was written with
+        # per slot: a swap done whose record the table learns with the request's own
+        # bookkeeping (``recorded``); until then the table names the session as claimed
+        self.unrecorded: dict[int, tuple[Session, int, str]] = {}
 
     # -- facts ---------------------------------------------------------------
     def slot_entry(self, slot: int) -> dict | None:
@@ -266,6 +269,7 @@ class SlotExecutor:
                         return other
             table[slot] = claimed_for(table.get(slot) or SlotState(), session)
             return None
+        self.unrecorded.pop(slot, None)
         other = self.table.change(claim)
         if other is not None:
             log.info("session %s is in slot %d already (another process put it there): "
@@ -273,17 +277,30 @@ class SlotExecutor:
             raise HeldElsewhere()
 
     def record(self, slot: int, session: Session, tokens: int) -> None:
-        """The swap is done: the slot holds ``session``, proven from now on."""
-        self.table.change(lambda table: table.__setitem__(
-            slot, filled_with(table.get(slot) or SlotState(), session, tokens)))
+        """The swap is done: the slot holds ``session``, proven from now on. The state table
+        learns it in the write after the answer (``recorded``), one write fewer on the swap's
+        path; until then it names the session as claimed: not trusted, which is all a crash
+        in between may leave (the next swap restores the session's file again)."""
+        self.unrecorded[slot] = (session, tokens, now_iso())
         self.uncertain.discard(slot)
         self.witness[slot] = self.client.witness()
+
+    def recorded(self, slot: int, state: SlotState) -> SlotState:
+        """``state``, the table's entry for ``slot``, with the swap done there that the table
+        has not learnt yet (the holder of the slot writes it)."""
+        done = self.unrecorded.get(slot)
+        if done is None:
+            return state
+        if state.phase is not Phase.CLAIMED:  # the claim was lost with the state file
+            state = claimed_for(state, done[0])
+        return filled_with(state, *done)
 
     def mark_unproven(self, slot: int) -> None:
         """After a failed swap or a side request there: trust nothing the slot holds until
         its next good swap. Kept in memory and, when the disk allows, in the state file, so
         another process sharing the folder does not trust the slot either."""
         self.uncertain.add(slot)
+        self.unrecorded.pop(slot, None)
         try:
             self.table.change(lambda table: table.__setitem__(
                 slot, (table.get(slot) or SlotState()).to(Phase.UNPROVEN)))

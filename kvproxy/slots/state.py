@@ -118,9 +118,11 @@ def claimed_for(state: SlotState, session: Session) -> SlotState:
                     updated_at=now, used_at=now)
 
 
-def filled_with(state: SlotState, session: Session, tokens: int) -> SlotState:
-    """The swap is done: the slot holds ``session`` with ``tokens``, as its file has it."""
-    now = now_iso()
+def filled_with(state: SlotState, session: Session, tokens: int,
+                done_at: str | None = None) -> SlotState:
+    """The swap is done (now, or at ``done_at``): the slot holds ``session`` with ``tokens``,
+    as its file has it."""
+    now = done_at or now_iso()
     return state.to(Phase.OURS, session_id=session.id, key=session.key, stem=session.stem, model=session.model,
                     persistent=session.persistent, system_hash=session.system_hash,
                     tokens=tokens, updated_at=now, used_at=now)

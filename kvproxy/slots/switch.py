@@ -262,7 +262,8 @@ class SlotSwitch:
         """Every driven slot as the admin API lists it: from the state table and this
         process's locks, without asking llama-server."""
         table = self.table.read()
-        return [slot_row(slot, table.get(slot) or SlotState(), self.busy(slot),
+        return [slot_row(slot, self.executor.recorded(slot, table.get(slot) or SlotState()),
+                         self.busy(slot),
                          self.busy_since(slot), self.executor.n_ctx.get(slot))
                 for slot in self.slot_ids()]
 
@@ -447,10 +448,13 @@ class SlotSwitch:
         self.pool.note_use(slot, used_at)  # this process keeps it exactly, in memory
         now = time.monotonic()
         since = now - self._used_at_written.get(slot, -plan.USED_AT_RESOLUTION_S)
-        done = plan.after_answer(self.table.get(slot), session, lease.cache, held,
+        swapped = slot in self.executor.unrecorded
+        state = self.executor.recorded(slot, self.table.get(slot))
+        self.executor.unrecorded.pop(slot, None)
+        done = plan.after_answer(state, session, lease.cache, held,
                                  bool(timings), used_at, len(self.slot_ids()) > 1, since)
-        if done.state is not None:
-            self.table.put(slot, done.state)
+        if done.state is not None or swapped:
+            self.table.put(slot, done.state or state)  # the swap's record, if any, with it
             self._used_at_written[slot] = now
         if done.verify_restore:
             self._verify_restore(lease, cache_n)
