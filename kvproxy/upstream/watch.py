@@ -65,11 +65,13 @@ class _Watcher:
 
     def __init__(self) -> None:
         self._watches: set[Watch] = set()
-        self._lock = threading.Lock()
+        self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
 
     def add(self, watch: Watch) -> None:
-        with self._lock:
+        with self._changed:
+            if not self._watches:
+                self._changed.notify()  # the thread sleeps while there is nothing to watch
             self._watches.add(watch)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="kvproxy-client-watch",
@@ -77,14 +79,15 @@ class _Watcher:
                 self._thread.start()
 
     def remove(self, watch: Watch) -> None:
-        with self._lock:
+        with self._changed:
             self._watches.discard(watch)
 
     def _run(self) -> None:
-        wake = threading.Event()  # never set: a bounded sleep between rounds
         while True:
-            wake.wait(WATCH_EVERY)
-            with self._lock:
+            with self._changed:
+                while not self._watches:
+                    self._changed.wait()
+                self._changed.wait(WATCH_EVERY)  # a call is first asked about after a while
                 watches = list(self._watches)
             for watch in watches:
                 try:
