@@ -28,7 +28,8 @@ def build_switch(settings: Settings, client: LlamaClient, store: SessionStore) -
                       max_waiters=settings.max_waiters,
                       restore_off_minutes=settings.restore_off_minutes,
                       slots=settings.slots, save_behind=settings.save_behind,
-                      save_behind_delay=settings.save_behind_delay)
+                      save_behind_delay=settings.save_behind_delay,
+                      slot_keep=settings.slot_keep)
 
 
 def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:

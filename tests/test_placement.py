@@ -1,7 +1,7 @@
 """Where a request runs with several slots: the pure placement decision, table-driven."""
 import pytest
 
-from kvproxy.slots.state import SlotState
+from kvproxy.slots.state import Phase, SlotState
 from kvproxy.slots.placement import (EVICT, FREE, HOLDER, WAIT, Placement, SlotFacts, facts_from_table,
                                place, queue_order)
 
@@ -67,7 +67,7 @@ def test_place(table, key, side, expected):
 
 def test_waiters_are_served_first_come_first_served():
     view = slots("A*", "-", "B")
-    waiting = [("C", False), ("D", False), ("E", False)]
+    waiting = [("C", False, True), ("D", False, True), ("E", False, True)]
     assert queue_order(view, waiting, 0) == Placement(FREE, 1)
     assert queue_order(view, waiting, 1) == Placement(EVICT, 2)
     assert queue_order(view, waiting, 2) == Placement(WAIT)
@@ -75,7 +75,7 @@ def test_waiters_are_served_first_come_first_served():
 
 def test_a_waiter_for_its_busy_holder_does_not_block_the_ones_behind_it():
     view = slots("A*", "-")
-    waiting = [("A", False), ("C", False)]
+    waiting = [("A", False, False), ("C", False, True)]
     assert queue_order(view, waiting, 0) == Placement(WAIT)
     assert queue_order(view, waiting, 1) == Placement(FREE, 1)
 
@@ -93,7 +93,7 @@ def test_facts_from_the_state_table():
 
 def test_two_waiters_for_one_session_never_get_two_slots():
     view = slots("A", "-")
-    waiting = [("A", False), ("A", False)]
+    waiting = [("A", False, False), ("A", False, False)]
     assert queue_order(view, waiting, 0) == Placement(HOLDER, 0)
     assert queue_order(view, waiting, 1) == Placement(WAIT), "A would run in two slots at once"
 
@@ -121,3 +121,34 @@ def test_an_entry_naming_no_active_session_holds_nothing():
 def typed(table: dict) -> dict:
     """A state table written as entries of the state file, as typed slot states."""
     return {slot: SlotState.from_entry(entry) for slot, entry in table.items()}
+
+
+def kept(view, slot, key):
+    return [SlotFacts(s.id, s.key, s.persistent, s.used_at, s.busy, key) if s.id == slot else s
+            for s in view]
+
+
+def test_a_slot_kept_for_its_conversation_is_left_alone_by_new_conversations_only():
+    view = kept(slots("A", "B*"), 0, "A")
+    assert place(view, "C", honours_keeps=True) == Placement(WAIT), "a new one waits"
+    assert place(view, "C", honours_keeps=False) == Placement(EVICT, 0), "a returning one may"
+    assert place(view, "x", side=True) == Placement(EVICT, 0), "so may a side request"
+    assert place(view, "A", honours_keeps=False) == Placement(HOLDER, 0)
+    assert place(kept(slots("A", "-"), 0, "A"), "C", honours_keeps=True) == Placement(FREE, 1), \
+        "a new one takes another idle slot"
+
+
+def test_the_kept_conversation_goes_before_a_new_one_queued_ahead_of_it():
+    view = kept(slots("A"), 0, "A")
+    waiting = [("C", False, True), ("A", False, False)]
+    assert queue_order(view, waiting, 0) == Placement(WAIT)
+    assert queue_order(view, waiting, 1) == Placement(HOLDER, 0)
+
+
+def test_a_keep_ends_when_the_table_shows_another_session_in_the_slot():
+    table = {0: SlotState(Phase.OURS, session_id="B", key="kB", persistent=True),
+             1: SlotState(Phase.OURS, session_id="A", key="kA", persistent=True)}
+    facts = facts_from_table(table, [0, 1], [], None, {0: "kA", 1: "kA"})
+    assert [f.kept_for for f in facts] == [None, "kA"]
+    assert facts_from_table({}, [0], [], None, {0: "kA"})[0].kept_for == "kA", \
+        "one slot: the table is not read, the keep stands"

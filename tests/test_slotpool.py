@@ -6,7 +6,7 @@ import pytest
 from kvproxy.ops import metrics
 from kvproxy.sessions.identity import Session
 from kvproxy.slots.lock import SlotBusy
-from kvproxy.slots.pool import SlotPool
+from kvproxy.slots.pool import MAX_OVERTAKEN, SlotPool, _Waiter
 from kvproxy.storage.store import SessionStore
 from tests.fake_llama import make_switch
 
@@ -122,3 +122,75 @@ def test_the_switch_counts_a_conversation_with_a_file_on_its_model_as_returning(
     assert switch._returning(a)
     assert not switch._returning(Session("C", "test")), "a new conversation"
     assert not switch._returning(Session("side", "side-request", persistent=False))
+
+
+def waiting_new_conversation(pool, taken_at):
+    """A thread taking a slot for a new conversation; notes when it got one."""
+    import threading
+
+    def new_conversation():
+        taken = pool.take([0], "new", False, short=lambda: False)
+        taken_at["new"] = time.monotonic()
+        pool.give_back(taken.slot)
+    thread = threading.Thread(target=new_conversation, daemon=True)
+    thread.start()
+    time.sleep(0.2)
+    return thread
+
+
+def test_a_slot_is_kept_for_its_conversation_s_next_turn_while_a_new_one_waits(tmp_path):
+    pool = SlotPool(SessionStore(tmp_path), timeout=10, max_waiters=4, keep=0.6)
+    first = pool.take([0], "A", False)
+    taken_at = {}
+    waiter = waiting_new_conversation(pool, taken_at)
+    started = time.monotonic()
+    pool.give_back(first.slot, keep_for="A")                           # A's first turn ends
+    time.sleep(0.2)
+    assert "new" not in taken_at, "the slot is kept for A"
+    again = pool.take([0], "A", False)                                 # A answers at once
+    assert again.placed == "holder" and time.monotonic() - started < 0.5
+    assert pool._queue[0].overtaken == 1, "A went before the waiting new conversation"
+    pool.give_back(again.slot, keep_for="A")
+    waiter.join(5)
+    assert taken_at["new"] - started >= 0.6, "kept again after A's second turn"
+    assert taken_at["new"] - started < 3, "then the keep ran out"
+
+
+def test_with_nobody_waiting_a_slot_is_not_kept(tmp_path):
+    pool = SlotPool(SessionStore(tmp_path), timeout=10, max_waiters=4, keep=30)
+    pool.give_back(pool.take([0], "A", False).slot, keep_for="A")
+    started = time.monotonic()
+    pool.give_back(pool.take([0], "new", False, short=lambda: False).slot)
+    assert time.monotonic() - started < 1, "a new conversation that comes later takes it"
+
+
+def test_a_returning_conversation_or_one_passed_over_enough_may_take_a_kept_slot(tmp_path):
+    pool = SlotPool(SessionStore(tmp_path), timeout=10, max_waiters=4, keep=30)
+    first = pool.take([0], "A", False)
+    taken_at = {}
+    waiter = waiting_new_conversation(pool, taken_at)
+    pool.give_back(first.slot, keep_for="A")
+    started = time.monotonic()
+    taken = pool.take([0], "B", False, short=lambda: True)   # B has a file: a short turn
+    assert time.monotonic() - started < 1, "no wait for A's keep"
+    assert "new" not in taken_at
+    pool.give_back(taken.slot)
+    waiter.join(5)
+    assert "new" in taken_at
+    passed_over = _Waiter("C", False)
+    passed_over.overtaken = MAX_OVERTAKEN
+    assert not passed_over.honours_keeps() and _Waiter("C", False).honours_keeps()
+    assert not _Waiter("x", True).honours_keeps(), "side requests are short"
+
+
+def test_a_keep_never_makes_a_new_conversation_time_out(tmp_path):
+    pool = SlotPool(SessionStore(tmp_path), timeout=1, max_waiters=4, keep=30)
+    first = pool.take([0], "A", False)
+    taken_at = {}
+    waiter = waiting_new_conversation(pool, taken_at)        # it may wait 1 s, the keep is 30
+    started = time.monotonic()
+    pool.give_back(first.slot, keep_for="A")
+    waiter.join(5)
+    assert taken_at["new"] - started < 0.5, "the new conversation took the slot, no 503"
+    assert _Waiter("C", False, deadline=10).honours_keeps(9.9)
+    assert not _Waiter("C", False, deadline=10).honours_keeps(10.1)

@@ -16,6 +16,11 @@ its few new tokens, goes before new ones that wait for a whole prefill, unless t
 overtaken ``MAX_OVERTAKEN`` times already; so a chat in progress is not held up for minutes
 behind other users' long first prompts, and a new one waits at most that many short turns
 longer than in arrival order.
+A slot given back by a conversation while new conversations wait is kept for its next turn
+``keep`` seconds (``give_back``): they leave it alone meanwhile (``placement``), so a chat whose
+user or tool answers at once is not put behind another conversation's whole prefill; each time
+the kept conversation comes back while they wait counts as overtaking them, so the same bound
+holds.
 """
 from __future__ import annotations
 
@@ -41,11 +46,20 @@ class Taken(NamedTuple):
 
 
 class _Waiter:
-    __slots__ = ("key", "side", "short", "overtaken")
+    __slots__ = ("key", "side", "short", "overtaken", "deadline")
 
-    def __init__(self, key: str | None, side: bool, short: bool = False):
+    def __init__(self, key: str | None, side: bool, short: bool = False,
+                 deadline: float = float("inf")):
         self.key, self.side, self.short = key, side, short
         self.overtaken = 0
+        self.deadline = deadline  # time.monotonic() at which its wait for a slot ends
+
+    def honours_keeps(self, keep_until: float = 0.0) -> bool:
+        """A new conversation (a whole prefill) leaves kept slots alone, unless overtaken
+        ``MAX_OVERTAKEN`` times already or a keep until ``keep_until`` would outlast its wait;
+        returning conversations and side requests do not."""
+        return not self.side and not self.short and self.overtaken < MAX_OVERTAKEN \
+            and keep_until < self.deadline
 
 
 def queue_position(queue: list, short: bool) -> int:
@@ -65,8 +79,10 @@ def queue_position(queue: list, short: bool) -> int:
 class SlotPool:
     """The slots of one llama-server, leased one request at a time each."""
 
-    def __init__(self, store: SessionStore, timeout: float, max_waiters: int):
+    def __init__(self, store: SessionStore, timeout: float, max_waiters: int,
+                 keep: float = 0.0):
         self.store = store
+        self.keep = keep  # seconds a slot is kept for the conversation that gave it back
         self.table = SlotTable(store)
         self.timeout = timeout
         self.max_waiters = max_waiters
@@ -76,6 +92,7 @@ class SlotPool:
         self._elsewhere: dict[int, float] = {}  # slot -> until when another process holds it
         self.waiting = 0  # requests of this process waiting for a slot now
         self.used_here: dict[int, str] = {}  # slot -> ISO time this process last used it
+        self._kept: dict[int, tuple[str, float]] = {}  # slot -> (session key, until when)
 
     def lock(self, slot: int) -> SlotLock:
         with self._cond:
@@ -104,7 +121,7 @@ class SlotPool:
         ``SlotUnavailable`` (the lock cannot be taken at all)."""
         bound = self.timeout if timeout is None else timeout
         started = time.monotonic()
-        me = _Waiter(key, side)
+        me = _Waiter(key, side, deadline=started + bound)
         counted = waited = False
         with self._cond:
             self._queue.append(me)
@@ -114,13 +131,17 @@ class SlotPool:
                 # no-swap path stays as fast as it was).
                 table = self.table.read() if len(slot_ids) > 1 else {}
                 with self._cond:
-                    facts = facts_from_table(table, slot_ids, self._busy(), self.used_here)
-                    decision = queue_order(facts, [(w.key, w.side) for w in self._queue],
+                    facts = facts_from_table(table, slot_ids, self._busy(), self.used_here,
+                                             self._kept_now())
+                    keep_until = time.monotonic() + self.keep
+                    decision = queue_order(facts, [(w.key, w.side, w.honours_keeps(keep_until))
+                                                   for w in self._queue],
                                            self._queue.index(me))
                 if decision.slot is not None:
                     lock = self.lock(decision.slot)
                     if lock.try_acquire():
                         metrics.LOCK_WAIT.observe(time.monotonic() - started)
+                        self._end_keep(decision.slot, me)
                         return Taken(decision.slot, waited, decision.action)
                     if not lock.held_here():  # another process holds it: look elsewhere
                         with self._cond:
@@ -139,6 +160,8 @@ class SlotPool:
                             me.short = True
                             self._queue.insert(queue_position(self._queue, True), me)
                     counted = waited = True
+                    if moves_up:
+                        continue  # a returning conversation may take a kept slot: look again
                 remaining = bound - (time.monotonic() - started)
                 if remaining <= 0:
                     metrics.REJECTED.labels("timeout").inc()
@@ -158,14 +181,38 @@ class SlotPool:
         with self._cond:
             self.used_here[slot] = max(at, self.used_here.get(slot, ""))
 
-    def give_back(self, slot: int) -> None:
-        """Free a leased slot and wake the requests waiting for one."""
+    def give_back(self, slot: int, keep_for: str | None = None) -> None:
+        """Free a leased slot and wake the requests waiting for one; ``keep_for``: the session
+        key of a conversation whose next turn the slot is kept for (``keep`` seconds) when new
+        conversations are waiting for a slot (with none waiting, there is nothing to keep it
+        from, and one that comes later takes it at once)."""
         try:
             self.lock(slot).release()
         finally:
             with self._cond:
                 self._elsewhere.pop(slot, None)
+                if keep_for is not None and self.keep > 0 and \
+                        any(waiter.honours_keeps(time.monotonic() + self.keep)
+                            for waiter in self._queue):
+                    self._kept[slot] = (keep_for, time.monotonic() + self.keep)
                 self._cond.notify_all()
+
+    def _kept_now(self) -> dict[int, str]:
+        """Slots kept for a session's next turn, and for which session (caller holds _cond)."""
+        now = time.monotonic()
+        for slot in [s for s, (_, until) in self._kept.items() if until <= now]:
+            del self._kept[slot]
+        return {slot: key for slot, (key, _) in self._kept.items()}
+
+    def _end_keep(self, slot: int, taker: _Waiter) -> None:
+        """``slot`` was taken: its keep ends. Taken by the conversation it was kept for while
+        new conversations waited, it overtook each of them."""
+        with self._cond:
+            kept = self._kept.pop(slot, None)
+            if kept is not None and kept[0] == taker.key:
+                for waiter in self._queue:
+                    if waiter is not taker and waiter.honours_keeps():
+                        waiter.overtaken += 1
 
     @staticmethod
     def _retry_after(bound: float) -> int:

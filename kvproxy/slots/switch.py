@@ -54,7 +54,8 @@ class SlotSwitch:
                  lock_timeout: float = 300, base_snapshots: bool = True,
                  restore_miss_limit: int = 2, max_disk_bytes: int = 0, min_free_bytes: int = 0,
                  max_waiters: int = 32, restore_off_minutes: float = 60, slots: int = 1,
-                 save_behind: bool = False, save_behind_delay: float = 2):
+                 save_behind: bool = False, save_behind_delay: float = 2,
+                 slot_keep: float = 0):
         self.client = client
         self.store = store
         store.legacy_slot = slot_id
@@ -68,7 +69,7 @@ class SlotSwitch:
         self.max_disk_bytes = max_disk_bytes
         self.lock_timeout = lock_timeout
         self.budget = disk.DiskBudget(store, max_disk_bytes, min_free_bytes)
-        self.pool = SlotPool(store, lock_timeout, max_waiters)
+        self.pool = SlotPool(store, lock_timeout, max_waiters, keep=slot_keep)
         self.restore_check = RestoreCheck(store.root, restore_miss_limit, restore_off_minutes)
         self.executor = SlotExecutor(client, store, self.table, self.budget)
         self._busy_since: dict[int, str] = {}
@@ -149,7 +150,9 @@ class SlotSwitch:
                                       "see kvproxy's log") from exc
             self._busy_since[slot] = now_iso()
             lease.leased_at = taken_at
-            lease._release = lambda: self.pool.give_back(slot)
+            # kept a few seconds for the conversation's next turn (pool.give_back)
+            keep_for = lease.session.key if lease.session.persistent else None
+            lease._release = lambda: self.pool.give_back(slot, keep_for)
             return lease
 
     def _returning(self, session: Session) -> bool:
