@@ -244,8 +244,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("slot_keep", "2", _number(0, 3600),
             "Seconds a slot stays kept for the conversation that just used it while new "
             "conversations wait, so a reply answered at once (a user, a tool call) is not put "
-            "behind another conversation's whole prefill; a new conversation is passed over "
-            "this way at most 16 times. 0: off."),
+            "behind another conversation's whole prefill; with several slots one is never kept, "
+            "and a new conversation is passed over this way at most 16 times. 0: off."),
     Setting("side_request_pattern", r"^### Task:", _regex,
             "Regular expression: a non-streaming request whose only user message matches it is a side "
             "request (OpenWebUI titles, tags, follow-ups) and never overwrites a conversation's file."),

@@ -157,7 +157,7 @@ def test_a_slot_is_kept_for_its_conversation_s_next_turn_while_a_new_one_waits(t
 
 
 def test_with_nobody_waiting_a_slot_is_not_kept(tmp_path):
-    pool = SlotPool(SessionStore(tmp_path), timeout=10, max_waiters=4, keep=30)
+    pool = SlotPool(SessionStore(tmp_path), timeout=10, max_waiters=4, keep=5)
     pool.give_back(pool.take([0], "A", False).slot, keep_for="A")
     started = time.monotonic()
     pool.give_back(pool.take([0], "new", False, short=lambda: False).slot)
@@ -165,7 +165,7 @@ def test_with_nobody_waiting_a_slot_is_not_kept(tmp_path):
 
 
 def test_a_returning_conversation_or_one_passed_over_enough_may_take_a_kept_slot(tmp_path):
-    pool = SlotPool(SessionStore(tmp_path), timeout=10, max_waiters=4, keep=30)
+    pool = SlotPool(SessionStore(tmp_path), timeout=10, max_waiters=4, keep=5)
     first = pool.take([0], "A", False)
     taken_at = {}
     waiter = waiting_new_conversation(pool, taken_at)
@@ -194,3 +194,21 @@ def test_a_keep_never_makes_a_new_conversation_time_out(tmp_path):
     assert taken_at["new"] - started < 0.5, "the new conversation took the slot, no 503"
     assert _Waiter("C", False, deadline=10).honours_keeps(9.9)
     assert not _Waiter("C", False, deadline=10).honours_keeps(10.1)
+
+
+def test_one_slot_of_several_is_never_kept_so_new_conversations_keep_moving(tmp_path):
+    import threading
+    pool = SlotPool(SessionStore(tmp_path), timeout=10, max_waiters=4, keep=5)
+    a, b = pool.take([0, 1], "A", False), pool.take([0, 1], "B", False)
+    got = {}
+    waiter = threading.Thread(target=lambda: got.update(
+        new=pool.take([0, 1], "new", False, short=lambda: False)), daemon=True)
+    waiter.start()
+    time.sleep(0.2)
+    pool.give_back(a.slot, keep_for="A")
+    time.sleep(0.2)
+    assert "new" not in got, "A's slot is kept for A"
+    pool.give_back(b.slot, keep_for="B")
+    waiter.join(2)
+    assert got["new"].slot == b.slot, "the last slot is not kept: the new conversation runs"
+    assert pool._kept_now() == {a.slot: "A"}

@@ -18,7 +18,9 @@ behind other users' long first prompts, and a new one waits at most that many sh
 longer than in arrival order.
 A slot given back by a conversation while new conversations wait is kept for its next turn
 ``keep`` seconds (``give_back``): they leave it alone meanwhile (``placement``), so a chat whose
-user or tool answers at once is not put behind another conversation's whole prefill; each time
+user or tool answers at once is not put behind another conversation's whole prefill (all but one
+of several slots at most, so new conversations keep moving and the machine does not idle
+through every user's pause); each time
 the kept conversation comes back while they wait counts as overtaking them, so the same bound
 holds.
 """
@@ -93,6 +95,7 @@ class SlotPool:
         self.waiting = 0  # requests of this process waiting for a slot now
         self.used_here: dict[int, str] = {}  # slot -> ISO time this process last used it
         self._kept: dict[int, tuple[str, float]] = {}  # slot -> (session key, until when)
+        self._max_kept = 1  # slots kept at once: all but one of the slots taken from (take)
 
     def lock(self, slot: int) -> SlotLock:
         with self._cond:
@@ -122,6 +125,7 @@ class SlotPool:
         bound = self.timeout if timeout is None else timeout
         started = time.monotonic()
         me = _Waiter(key, side, deadline=started + bound)
+        self._max_kept = max(1, len(slot_ids) - 1)
         counted = waited = False
         with self._cond:
             self._queue.append(me)
@@ -192,6 +196,7 @@ class SlotPool:
             with self._cond:
                 self._elsewhere.pop(slot, None)
                 if keep_for is not None and self.keep > 0 and \
+                        len(self._kept_now()) < self._max_kept and \
                         any(waiter.honours_keeps(time.monotonic() + self.keep)
                             for waiter in self._queue):
                     self._kept[slot] = (keep_for, time.monotonic() + self.keep)
