@@ -152,3 +152,19 @@ def test_a_keep_ends_when_the_table_shows_another_session_in_the_slot():
     assert [f.kept_for for f in facts] == [None, "kA"]
     assert facts_from_table({}, [0], [], None, {0: "kA"})[0].kept_for == "kA", \
         "one slot: the table is not read, the keep stands"
+
+
+def saving(view, slot):
+    """``view`` with ``slot`` busy with a background save."""
+    return [SlotFacts(s.id, s.key, s.persistent, s.used_at, True, s.kept_for, True)
+            if s.id == slot else s for s in view]
+
+
+def test_a_slot_being_saved_behind_is_waited_for_when_it_is_the_one_to_evict():
+    assert place(saving(slots("A", "B"), 0), "C") == Placement(WAIT), \
+        "A is saved in a moment: evicting B would save B first"
+    assert place(saving(slots("A", "B"), 1), "C") == Placement(EVICT, 0), "A is still older"
+    assert place(saving(slots("A", "-"), 0), "C") == Placement(FREE, 1), "an empty slot first"
+    assert place(saving(slots("A", "B"), 0), "A") == Placement(WAIT), "its own session waits"
+    facts = facts_from_table({}, [0, 1], [0], None, None, saving=[0])
+    assert [(f.busy, f.saving) for f in facts] == [(True, True), (False, False)]

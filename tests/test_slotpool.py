@@ -211,4 +211,47 @@ def test_one_slot_of_several_is_never_kept_so_new_conversations_keep_moving(tmp_
     pool.give_back(b.slot, keep_for="B")
     waiter.join(2)
     assert got["new"].slot == b.slot, "the last slot is not kept: the new conversation runs"
-    assert pool._kept_now() == {a.slot: "A"}
+
+
+def persistent_slots(pool, *keys):
+    """The state table names a persistent session per slot, the first used longest ago."""
+    from kvproxy.slots.state import Phase, SlotState
+    for slot, key in enumerate(keys):
+        pool.table.put(slot, SlotState(Phase.OURS, session_id=key, key=key, persistent=True))
+        pool.note_use(slot, f"2026-01-01T00:00:0{slot}")
+
+
+def test_keeps_end_once_no_new_conversation_waits(tmp_path):
+    import threading
+    pool = SlotPool(SessionStore(tmp_path), timeout=10, max_waiters=4, keep=5)
+    a, b = pool.take([0, 1], "A", False), pool.take([0, 1], "B", False)
+    got = {}
+    waiter = threading.Thread(target=lambda: got.update(
+        new=pool.take([0, 1], "new", False, short=lambda: False)), daemon=True)
+    waiter.start()
+    time.sleep(0.2)
+    pool.give_back(a.slot, keep_for="A")       # kept: a new conversation waits
+    pool.give_back(b.slot, keep_for="B")       # not kept: it takes this one and leaves
+    waiter.join(2)
+    assert got["new"].slot == b.slot
+    started = time.monotonic()
+    later = pool.take([0, 1], "C", False)
+    assert later.slot == a.slot and time.monotonic() - started < 1, \
+        "nobody waits any more: A's slot is not kept from a later request"
+
+
+def test_a_request_waits_for_a_background_save_rather_than_evict_a_newer_session(tmp_path):
+    import threading
+    pool = SlotPool(SessionStore(tmp_path), timeout=10, max_waiters=4)
+    persistent_slots(pool, "A", "B")            # A, in slot 0, was used longest ago
+    assert pool.hold_for_save(0)
+    got = {}
+    request = threading.Thread(target=lambda: got.update(z=pool.take([0, 1], "Z", False)),
+                               daemon=True)
+    request.start()
+    time.sleep(0.3)
+    assert "z" not in got, "B, used later and unsaved, is not evicted meanwhile"
+    pool.give_back(0)                           # the save is done
+    request.join(2)
+    assert got["z"] == (0, True, "evict")
+    assert not pool.hold_for_save(0), "a slot a request holds is not saved behind"

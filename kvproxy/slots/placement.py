@@ -41,6 +41,7 @@ class SlotFacts:
     used_at: str = ""             # ISO time of its last use: least recently used goes first
     busy: bool = False            # a request (of any process) holds the slot now
     kept_for: str | None = None   # kept a few seconds for this session's next turn
+    saving: bool = False          # busy with a background save: idle and saved in a moment
 
 
 @dataclass(frozen=True)
@@ -51,13 +52,15 @@ class Placement:
 
 def facts_from_table(table: Mapping[int, SlotState], slot_ids: Iterable[int],
                      busy: Iterable[int], used_here: Mapping[int, str] | None = None,
-                     kept: Mapping[int, str] | None = None) -> list[SlotFacts]:
+                     kept: Mapping[int, str] | None = None,
+                     saving: Iterable[int] = ()) -> list[SlotFacts]:
     """The placement's view of the state table (typed slot states) and the busy slots.
     ``used_here``: this process's own last use of each slot, which the table may not show
     yet (it is written at most once a second when nothing else changed); the later wins.
     ``kept``: slot -> the session key it is kept for (a table that names another session
-    there now, as another process swapped it, ends the keep)."""
-    busy = set(busy)
+    there now, as another process swapped it, ends the keep). ``saving``: busy slots held by
+    a background save of this process."""
+    busy, saving = set(busy), set(saving)
     used_here = used_here or {}
     kept = kept or {}
     facts = []
@@ -67,7 +70,7 @@ def facts_from_table(table: Mapping[int, SlotState], slot_ids: Iterable[int],
         used_at = max(state.used_at or state.updated_at or "", used_here.get(slot, ""))
         kept_for = kept.get(slot) if key in (None, kept.get(slot)) else None
         facts.append(SlotFacts(slot, key, state.persistent and key is not None,
-                               used_at, slot in busy, kept_for))
+                               used_at, slot in busy, kept_for, slot in saving))
     return facts
 
 
@@ -79,12 +82,14 @@ def place(slots: list[SlotFacts], key: str | None, side: bool = False,
         holder = next((s for s in slots if s.key == key or s.kept_for == key), None)
         if holder is not None:
             return Placement(WAIT) if holder.busy else Placement(HOLDER, holder.id)
-    idle = [s for s in slots if not s.busy and not (honours_keeps and s.kept_for)]
-    free = [s for s in idle if not s.persistent]
+    idle = [s for s in slots if (not s.busy or s.saving) and not (honours_keeps and s.kept_for)]
+    free = [s for s in idle if not s.persistent and not s.busy]
     if free:
         return Placement(FREE, min(free, key=lambda s: s.id).id)
     if idle:
         victim = min(idle, key=lambda s: (s.used_at, s.id))
+        if victim.busy:  # its session is being saved behind: evicting it then costs nothing,
+            return Placement(WAIT)  # where another slot's session would be saved first
         return Placement(EVICT, victim.id)  # plan.plan_swap saves its session first
     return Placement(WAIT)
 

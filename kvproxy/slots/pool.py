@@ -96,6 +96,7 @@ class SlotPool:
         self.used_here: dict[int, str] = {}  # slot -> ISO time this process last used it
         self._kept: dict[int, tuple[str, float]] = {}  # slot -> (session key, until when)
         self._max_kept = 1  # slots kept at once: all but one of the slots taken from (take)
+        self._saving: set[int] = set()  # slots held by a background save (hold_for_save)
 
     def lock(self, slot: int) -> SlotLock:
         with self._cond:
@@ -136,7 +137,7 @@ class SlotPool:
                 table = self.table.read() if len(slot_ids) > 1 else {}
                 with self._cond:
                     facts = facts_from_table(table, slot_ids, self._busy(), self.used_here,
-                                             self._kept_now())
+                                             self._kept_now(), self._saving)
                     keep_until = time.monotonic() + self.keep
                     decision = queue_order(facts, [(w.key, w.side, w.honours_keeps(keep_until))
                                                    for w in self._queue],
@@ -175,10 +176,21 @@ class SlotPool:
         finally:
             with self._cond:
                 self._queue.remove(me)
+                if not any(waiter.honours_keeps() for waiter in self._queue):
+                    self._kept.clear()  # nobody left to keep the slots from
                 if counted:
                     self.waiting -= 1
                     metrics.WAITERS.dec()
                 self._cond.notify_all()
+
+    def hold_for_save(self, slot: int) -> bool:
+        """Take ``slot`` for a background save if it is free now; placement waits for it
+        rather than evict another slot's unsaved session (``give_back`` ends it)."""
+        if not self.lock(slot).try_acquire():
+            return False
+        with self._cond:
+            self._saving.add(slot)
+        return True
 
     def note_use(self, slot: int, at: str) -> None:
         """Remember when this process last used ``slot``, for least-recently-used placement."""
@@ -195,6 +207,7 @@ class SlotPool:
         finally:
             with self._cond:
                 self._elsewhere.pop(slot, None)
+                self._saving.discard(slot)
                 if keep_for is not None and self.keep > 0 and \
                         len(self._kept_now()) < self._max_kept and \
                         any(waiter.honours_keeps(time.monotonic() + self.keep)

@@ -223,7 +223,7 @@ class SlotSwitch:
         """Save the new turns of the session ``slot`` holds, in the background, if the slot is
         free now: never waits for it, and saves only what kvproxy can prove is there, with
         restoring on (``plan.worth_saving``). True when a save was made."""
-        if not self.try_hold(slot):
+        if not self.pool.hold_for_save(slot):
             return False  # a request holds it: it arms the slot again when it ends
         try:
             state = self.table.get(slot)
