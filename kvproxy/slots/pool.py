@@ -18,11 +18,10 @@ behind other users' long first prompts, and a new one waits at most that many sh
 longer than in arrival order.
 A slot given back by a conversation while new conversations wait is kept for its next turn
 ``keep`` seconds (``give_back``): they leave it alone meanwhile (``placement``), so a chat whose
-user or tool answers at once is not put behind another conversation's whole prefill (all but one
-of several slots at most, so new conversations keep moving and the machine does not idle
-through every user's pause); each time
-the kept conversation comes back while they wait counts as overtaking them, so the same bound
-holds.
+user or tool answers at once is not put behind another conversation's whole prefill. At most
+all but one of several slots are kept, so new conversations keep moving and the machine does
+not idle through every user's pause; each time the kept conversation comes back while they
+wait counts as overtaking them, so the same bound holds.
 """
 from __future__ import annotations
 
@@ -126,9 +125,9 @@ class SlotPool:
         bound = self.timeout if timeout is None else timeout
         started = time.monotonic()
         me = _Waiter(key, side, deadline=started + bound)
-        self._max_kept = max(1, len(slot_ids) - 1)
         counted = waited = False
         with self._cond:
+            self._max_kept = max(1, len(slot_ids) - 1)
             self._queue.append(me)
         try:
             while True:
