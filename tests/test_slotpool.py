@@ -255,3 +255,33 @@ def test_a_request_waits_for_a_background_save_rather_than_evict_a_newer_session
     request.join(2)
     assert got["z"] == (0, True, "evict")
     assert not pool.hold_for_save(0), "a slot a request holds is not saved behind"
+
+
+def test_with_several_slots_one_keeps_taking_new_conversations(tmp_path):
+    import threading
+    pool = SlotPool(SessionStore(tmp_path), timeout=10, max_waiters=8)
+    a, b = pool.take([0, 1], "A", False), pool.take([0, 1], "B", False)
+    served, taken = [], {}
+
+    def wait(key, short):
+        taken[key] = pool.take([0, 1], key, False, short=lambda: short)
+        served.append(key)
+    threads = []
+    for key, short in (("returning-1", True), ("new-1", False), ("returning-2", True),
+                       ("new-2", False)):
+        threads.append(threading.Thread(target=wait, args=(key, short), daemon=True))
+        threads[-1].start()
+        time.sleep(0.15)
+    pool.give_back(a.slot)
+    time.sleep(0.3)
+    assert served == ["new-1"], "no slot runs a new conversation: the first one goes first"
+    pool.give_back(b.slot)
+    time.sleep(0.3)
+    assert served == ["new-1", "returning-1"], "one does: returning turns take the others"
+    pool.give_back(taken["returning-1"].slot)
+    time.sleep(0.3)
+    assert served == ["new-1", "returning-1", "returning-2"]
+    pool.give_back(taken["new-1"].slot)
+    for thread in threads:
+        thread.join(2)
+    assert served[-1] == "new-2"

@@ -15,7 +15,8 @@ One exception (``queue_position``): a returning conversation, whose turn is a re
 its few new tokens, goes before new ones that wait for a whole prefill, unless they were
 overtaken ``MAX_OVERTAKEN`` times already; so a chat in progress is not held up for minutes
 behind other users' long first prompts, and a new one waits at most that many short turns
-longer than in arrival order.
+longer than in arrival order. With several slots, one keeps taking new conversations
+(``_serving_order``), so their prefills go on while the other slots serve returning turns.
 A slot given back by a conversation while new conversations wait is kept for its next turn
 ``keep`` seconds (``give_back``): they leave it alone meanwhile (``placement``), so a chat whose
 user or tool answers at once is not put behind another conversation's whole prefill. At most
@@ -96,6 +97,7 @@ class SlotPool:
         self._kept: dict[int, tuple[str, float]] = {}  # slot -> (session key, until when)
         self._max_kept = 1  # slots kept at once: all but one of the slots taken from (take)
         self._saving: set[int] = set()  # slots held by a background save (hold_for_save)
+        self._new_in: set[int] = set()  # slots leased to a new conversation that waited
 
     def lock(self, slot: int) -> SlotLock:
         with self._cond:
@@ -138,14 +140,17 @@ class SlotPool:
                     facts = facts_from_table(table, slot_ids, self._busy(), self.used_here,
                                              self._kept_now(), self._saving)
                     keep_until = time.monotonic() + self.keep
+                    order = self._serving_order(len(slot_ids) > 1)
                     decision = queue_order(facts, [(w.key, w.side, w.honours_keeps(keep_until))
-                                                   for w in self._queue],
-                                           self._queue.index(me))
+                                                   for w in order], order.index(me))
                 if decision.slot is not None:
                     lock = self.lock(decision.slot)
                     if lock.try_acquire():
                         metrics.LOCK_WAIT.observe(time.monotonic() - started)
                         self._end_keep(decision.slot, me)
+                        if waited and not me.side and not me.short:
+                            with self._cond:
+                                self._new_in.add(decision.slot)
                         return Taken(decision.slot, waited, decision.action)
                     if not lock.held_here():  # another process holds it: look elsewhere
                         with self._cond:
@@ -182,6 +187,20 @@ class SlotPool:
                     metrics.WAITERS.dec()
                 self._cond.notify_all()
 
+    def _serving_order(self, several_slots: bool) -> list[_Waiter]:
+        """The queue in the order placement serves it (caller holds _cond): with several
+        slots and none running a new conversation that waited, the first new conversation
+        waiting goes first. So one slot keeps taking new conversations, one at a time, while
+        the others serve returning turns: their prefill fills the machine while users pause,
+        and a returning turn waits for other short turns, not behind a whole prefill."""
+        order = list(self._queue)
+        if several_slots and not self._new_in:
+            first_new = next((w for w in order if not w.side and not w.short), None)
+            if first_new is not None:
+                order.remove(first_new)
+                order.insert(0, first_new)
+        return order
+
     def hold_for_save(self, slot: int) -> bool:
         """Take ``slot`` for a background save if it is free now; placement waits for it
         rather than evict another slot's unsaved session (``give_back`` ends it)."""
@@ -207,6 +226,7 @@ class SlotPool:
             with self._cond:
                 self._elsewhere.pop(slot, None)
                 self._saving.discard(slot)
+                self._new_in.discard(slot)
                 if keep_for is not None and self.keep > 0 and \
                         len(self._kept_now()) < self._max_kept and \
                         any(waiter.honours_keeps(time.monotonic() + self.keep)
