@@ -285,3 +285,30 @@ def test_with_several_slots_one_keeps_taking_new_conversations(tmp_path):
     for thread in threads:
         thread.join(2)
     assert served[-1] == "new-2"
+
+
+def test_overtaking_is_not_counted_while_a_slot_serves_new_conversations(tmp_path):
+    import threading
+    from kvproxy.slots.pool import queue_position
+    queue = [_Waiter("n1", False), _Waiter("n2", False)]
+    assert queue_position(queue, True, counts=False) == 0
+    assert [w.overtaken for w in queue] == [0, 0]
+    pool = SlotPool(SessionStore(tmp_path), timeout=10, max_waiters=8)
+    a, b = pool.take([0, 1], "A", False), pool.take([0, 1], "B", False)
+    taken = {}
+
+    def wait(key, short):
+        taken[key] = pool.take([0, 1], key, False, short=lambda: short)
+    for key, short in (("new-1", False), ("new-2", False), ("returning", True)):
+        threading.Thread(target=wait, args=(key, short), daemon=True).start()
+        time.sleep(0.15)
+        if key == "new-1":
+            pool.give_back(a.slot)                 # new-1 takes it: a slot serves new ones
+            time.sleep(0.15)
+    assert "new-1" in taken
+    assert [(w.key, w.overtaken) for w in pool._queue] == [("returning", 0), ("new-2", 0)]
+    pool.give_back(b.slot)
+    time.sleep(0.3)
+    assert "returning" in taken and "new-2" not in taken
+    pool.give_back(taken["new-1"].slot)
+    pool.give_back(taken["returning"].slot)

@@ -64,16 +64,17 @@ class _Waiter:
             and keep_until < self.deadline
 
 
-def queue_position(queue: list, short: bool) -> int:
+def queue_position(queue: list, short: bool, counts: bool = True) -> int:
     """Where a new waiter joins ``queue`` (waiters with ``short`` and ``overtaken``): at the
     end, except that a short one (a returning conversation) goes before the new
     conversations at the end of the queue that were overtaken less than ``MAX_OVERTAKEN``
-    times (each of them counts one more)."""
+    times (each of them counts one more, unless not ``counts``: a slot is serving new
+    conversations meanwhile, so they are not held up)."""
     index = len(queue)
     while short and index > 0 and not queue[index - 1].short \
             and queue[index - 1].overtaken < MAX_OVERTAKEN:
         index -= 1
-    for passed in queue[index:]:
+    for passed in queue[index:] if counts else ():
         passed.overtaken += 1
     return index
 
@@ -167,7 +168,8 @@ class SlotPool:
                         if moves_up:
                             self._queue.remove(me)
                             me.short = True
-                            self._queue.insert(queue_position(self._queue, True), me)
+                            self._queue.insert(queue_position(self._queue, True,
+                                                              counts=not self._new_in), me)
                     counted = waited = True
                     if moves_up:
                         continue  # a returning conversation may take a kept slot: look again
@@ -246,7 +248,7 @@ class SlotPool:
         new conversations waited, it overtook each of them."""
         with self._cond:
             kept = self._kept.pop(slot, None)
-            if kept is not None and kept[0] == taker.key:
+            if kept is not None and kept[0] == taker.key and not self._new_in:
                 for waiter in self._queue:
                     if waiter is not taker and waiter.honours_keeps():
                         waiter.overtaken += 1
