@@ -8,7 +8,8 @@ first, or with "wait". The order, cheapest first:
    session never runs in two slots at once);
 2. an idle slot that holds nothing kvproxy must keep (empty, a side request,
    ``default``), lowest id first;
-3. the least recently used idle slot, whose session is saved first;
+3. the least recently used idle slot, whose session is saved first (when a background
+   save holds that slot, wait for it: its session is then on disk);
 4. wait for the first slot to free.
 
 A slot just used by a conversation is kept for its next turn a few seconds
