@@ -124,13 +124,13 @@ def test_the_switch_counts_a_conversation_with_a_file_on_its_model_as_returning(
     assert not switch._returning(Session("side", "side-request", persistent=False))
 
 
-def waiting_new_conversation(pool, taken_at):
-    """A thread taking a slot for a new conversation; notes when it got one."""
+def waiting_new_conversation(pool, taken_at, slot_ids=(0,)):
+    """A thread taking a slot for a new conversation; notes when it got one, and which."""
     import threading
 
     def new_conversation():
-        taken = pool.take([0], "new", False, short=lambda: False)
-        taken_at["new"] = time.monotonic()
+        taken = pool.take(list(slot_ids), "new", False, short=lambda: False)
+        taken_at["new"], taken_at["slot"] = time.monotonic(), taken.slot
         pool.give_back(taken.slot)
     thread = threading.Thread(target=new_conversation, daemon=True)
     thread.start()
@@ -197,20 +197,16 @@ def test_a_keep_never_makes_a_new_conversation_time_out(tmp_path):
 
 
 def test_one_slot_of_several_is_never_kept_so_new_conversations_keep_moving(tmp_path):
-    import threading
     pool = SlotPool(SessionStore(tmp_path), timeout=10, max_waiters=4, keep=5)
     a, b = pool.take([0, 1], "A", False), pool.take([0, 1], "B", False)
     got = {}
-    waiter = threading.Thread(target=lambda: got.update(
-        new=pool.take([0, 1], "new", False, short=lambda: False)), daemon=True)
-    waiter.start()
-    time.sleep(0.2)
+    waiter = waiting_new_conversation(pool, got, [0, 1])
     pool.give_back(a.slot, keep_for="A")
     time.sleep(0.2)
     assert "new" not in got, "A's slot is kept for A"
     pool.give_back(b.slot, keep_for="B")
     waiter.join(2)
-    assert got["new"].slot == b.slot, "the last slot is not kept: the new conversation runs"
+    assert got["slot"] == b.slot, "the last slot is not kept: the new conversation runs"
 
 
 def persistent_slots(pool, *keys):
@@ -222,18 +218,14 @@ def persistent_slots(pool, *keys):
 
 
 def test_keeps_end_once_no_new_conversation_waits(tmp_path):
-    import threading
     pool = SlotPool(SessionStore(tmp_path), timeout=10, max_waiters=4, keep=5)
     a, b = pool.take([0, 1], "A", False), pool.take([0, 1], "B", False)
     got = {}
-    waiter = threading.Thread(target=lambda: got.update(
-        new=pool.take([0, 1], "new", False, short=lambda: False)), daemon=True)
-    waiter.start()
-    time.sleep(0.2)
+    waiter = waiting_new_conversation(pool, got, [0, 1])
     pool.give_back(a.slot, keep_for="A")       # kept: a new conversation waits
     pool.give_back(b.slot, keep_for="B")       # not kept: it takes this one and leaves
     waiter.join(2)
-    assert got["new"].slot == b.slot
+    assert got["slot"] == b.slot
     started = time.monotonic()
     later = pool.take([0, 1], "C", False)
     assert later.slot == a.slot and time.monotonic() - started < 1, \
