@@ -22,7 +22,8 @@ A slot given back by a conversation while new conversations wait is kept for its
 user or tool answers at once is not put behind another conversation's whole prefill. At most
 all but one of several slots are kept, so new conversations keep moving and the machine does
 not idle through every user's pause; each time the kept conversation comes back while they
-wait counts as overtaking them, so the same bound holds.
+wait counts as overtaking them (unless a slot serves new conversations), so the same bound
+holds.
 """
 from __future__ import annotations
 
@@ -56,12 +57,15 @@ class _Waiter:
         self.overtaken = 0
         self.deadline = deadline  # time.monotonic() at which its wait for a slot ends
 
+    def new(self) -> bool:
+        """A new conversation (a whole prefill): neither a side request nor a short turn."""
+        return not self.side and not self.short
+
     def honours_keeps(self, keep_until: float = 0.0) -> bool:
-        """A new conversation (a whole prefill) leaves kept slots alone, unless overtaken
-        ``MAX_OVERTAKEN`` times already or a keep until ``keep_until`` would outlast its wait;
-        returning conversations and side requests do not."""
-        return not self.side and not self.short and self.overtaken < MAX_OVERTAKEN \
-            and keep_until < self.deadline
+        """A new conversation leaves kept slots alone, unless overtaken ``MAX_OVERTAKEN``
+        times already or a keep until ``keep_until`` would outlast its wait; returning
+        conversations and side requests do not."""
+        return self.new() and self.overtaken < MAX_OVERTAKEN and keep_until < self.deadline
 
 
 def queue_position(queue: list, short: bool, counts: bool = True) -> int:
@@ -148,10 +152,7 @@ class SlotPool:
                     lock = self.lock(decision.slot)
                     if lock.try_acquire():
                         metrics.LOCK_WAIT.observe(time.monotonic() - started)
-                        self._end_keep(decision.slot, me)
-                        if waited and not me.side and not me.short:
-                            with self._cond:
-                                self._new_in.add(decision.slot)
+                        self._took(decision.slot, me, waited)
                         return Taken(decision.slot, waited, decision.action)
                     if not lock.held_here():  # another process holds it: look elsewhere
                         with self._cond:
@@ -197,7 +198,7 @@ class SlotPool:
         and a returning turn waits for other short turns, not behind a whole prefill."""
         order = list(self._queue)
         if several_slots and not self._new_in:
-            first_new = next((w for w in order if not w.side and not w.short), None)
+            first_new = next((w for w in order if w.new()), None)
             if first_new is not None:
                 order.remove(first_new)
                 order.insert(0, first_new)
@@ -229,11 +230,11 @@ class SlotPool:
                 self._elsewhere.pop(slot, None)
                 self._saving.discard(slot)
                 self._new_in.discard(slot)
+                until = time.monotonic() + self.keep
                 if keep_for is not None and self.keep > 0 and \
                         len(self._kept_now()) < self._max_kept and \
-                        any(waiter.honours_keeps(time.monotonic() + self.keep)
-                            for waiter in self._queue):
-                    self._kept[slot] = (keep_for, time.monotonic() + self.keep)
+                        any(waiter.honours_keeps(until) for waiter in self._queue):
+                    self._kept[slot] = (keep_for, until)
                 self._cond.notify_all()
 
     def _kept_now(self) -> dict[int, str]:
@@ -243,15 +244,18 @@ class SlotPool:
             del self._kept[slot]
         return {slot: key for slot, (key, _) in self._kept.items()}
 
-    def _end_keep(self, slot: int, taker: _Waiter) -> None:
+    def _took(self, slot: int, taker: _Waiter, waited: bool) -> None:
         """``slot`` was taken: its keep ends. Taken by the conversation it was kept for while
-        new conversations waited, it overtook each of them."""
+        new conversations waited, it overtook each of them (unless a slot serves new ones).
+        Taken by a new conversation that waited, the slot now serves new ones."""
         with self._cond:
             kept = self._kept.pop(slot, None)
             if kept is not None and kept[0] == taker.key and not self._new_in:
                 for waiter in self._queue:
                     if waiter is not taker and waiter.honours_keeps():
                         waiter.overtaken += 1
+            if waited and taker.new():
+                self._new_in.add(slot)
 
     @staticmethod
     def _retry_after(bound: float) -> int:
