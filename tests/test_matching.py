@@ -11,6 +11,7 @@ import responses
 from kvproxy import create_app
 from kvproxy.sessions import matching
 from kvproxy.sessions.identity import Session
+from kvproxy.storage.store import SessionStore
 from tests.fake_llama import UPSTREAM, FakeLlama
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 40}
@@ -113,6 +114,25 @@ def test_the_index_reads_only_its_scope_and_rereads_changed_sidecars(tmp_path):
     (tmp_path / "a@m.json").write_text(json.dumps({"trail": record(chat, "conv-a2", "mine")}))
     assert [r["id"] for r in index.records("mine")] == ["conv-a2"]
 
+
+
+def test_the_index_takes_this_process_sidecar_writes_without_reading_them_back(tmp_path,
+                                                                              monkeypatch):
+    chat = [SYSTEM, *EXAMPLES, user("ducks")]
+    ours = SessionStore(tmp_path)
+    index = matching.TrailIndex(tmp_path)
+    ours.tell_sidecar_writes(index.learn)
+    reads = []
+    read = index._read
+    monkeypatch.setattr(index, "_read", lambda name: reads.append(name) or read(name))
+    ours.update_sidecar("a@m", {}, count="hits", trail=record(chat, "conv-a", "mine"))
+    assert [r["id"] for r in index.records("mine")] == ["conv-a"]
+    assert reads == []
+    # another process's store (this index is not told) rewrites it: read from the file
+    theirs = SessionStore(tmp_path)
+    theirs.update_sidecar("a@m", {}, count="hits", trail=record(chat, "conv-a2", "mine"))
+    assert [r["id"] for r in index.records("mine")] == ["conv-a2"]
+    assert reads == ["a@m.json"]
 
 
 def test_the_index_knows_a_matched_request_before_its_sidecar_is_written(tmp_path):

@@ -193,6 +193,14 @@ class TrailIndex:
             while len(self._notes) > MAX_NOTES:
                 del self._notes[next(iter(self._notes))]
 
+    def learn(self, name: str, written: tuple[int, int], sidecar: dict) -> None:
+        """A sidecar this process has just written (``SessionStore.tell_sidecar_writes``):
+        cached as the folder's listing will show it, so the next request does not read it
+        back. A file another process writes later differs in time or size and is read."""
+        record = sidecar.get(SIDECAR_FIELD)
+        with self._lock:
+            self._cache[name] = (written, dict(record) if isinstance(record, dict) else None)
+
     def records(self, scope: str) -> list[dict]:
         """This scope's records: the sidecars', each replaced by a newer note of its session."""
         on_disk = self._on_disk(scope)

@@ -210,8 +210,10 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
+def write_json_atomic(path: Path, data: Any) -> tuple[int, int]:
     """Write JSON so a reader sees the old file or the new one, never half of one.
+    Returns the file's (modification time in ns, size): a listing of the folder shows
+    these until someone writes it again.
 
     No fsync: it cost milliseconds on every request, and these files are
     bookkeeping that readers already tolerate losing (a missing sidecar only
@@ -219,10 +221,12 @@ def write_json_atomic(path: Path, data: Any) -> None:
     """
     tmp = write_json_beside(path, data)
     try:
+        written = os.stat(tmp)  # a rename keeps both
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    return written.st_mtime_ns, written.st_size
 
 
 def write_json_beside(path: Path, data: Any) -> Path:
@@ -268,6 +272,7 @@ class SessionStore:
         self._table_thread_lock = threading.Lock()
         self._table_file_lock = filelock.FileLock(str(self.root / self._scoped(STATE_LOCK)),
                                                   thread_local=False)
+        self._sidecar_readers: list[Callable[[str, tuple[int, int], dict], None]] = []
 
     def _scoped(self, name: str) -> str:
         if not self.model:
@@ -307,6 +312,13 @@ class SessionStore:
     def read_sidecar(self, stem: str) -> dict | None:
         return migrate_sidecar(read_json(self.sidecar_path(stem)))
 
+    def tell_sidecar_writes(self, reader: Callable[[str, tuple[int, int], dict], None]) -> None:
+        """Hand ``reader`` each sidecar ``update_sidecar`` writes: its file name, (modification
+        time in ns, size) and content. An index of the folder then need not read back what
+        this process wrote (a hit rewrites its session's sidecar after every answer)."""
+        if reader not in self._sidecar_readers:
+            self._sidecar_readers.append(reader)
+
     def update_sidecar(self, stem: str, defaults: dict, count: str | tuple[str, ...] = (),
                        **changes: Any) -> dict:
         """Merge ``changes`` into the sidecar, creating it from ``defaults`` if absent;
@@ -314,7 +326,10 @@ class SessionStore:
         sidecar = self.merged_sidecar(stem, defaults, **changes)
         for name in (count,) if isinstance(count, str) else count:
             sidecar[name] = int(sidecar.get(name) or 0) + 1
-        _write_or_storage_error(self.sidecar_path(stem), sidecar)
+        path = self.sidecar_path(stem)
+        written = _write_or_storage_error(path, sidecar)
+        for reader in self._sidecar_readers:
+            reader(path.name, written, sidecar)
         return sidecar
 
     def merged_sidecar(self, stem: str, defaults: dict, **changes: Any) -> dict:
@@ -388,7 +403,7 @@ class SessionStore:
         return True
 
 
-def _write_or_storage_error(path: Path, data: Any) -> None:
+def _write_or_storage_error(path: Path, data: Any) -> tuple[int, int]:
     with map_exceptions({OSError: lambda exc: StorageError(
             f"cannot write {path.name} in the slot folder: {exc.strerror or exc}")}):
-        write_json_atomic(path, data)
+        return write_json_atomic(path, data)

@@ -248,10 +248,11 @@ class Relay:
         min_chars = self.settings.match_min_tokens * matching.CHARS_PER_TOKEN
         if min_chars <= 0:
             return session
-        root = (switch or self.switch).store.root
-        index = self._trails.get(str(root))
+        store = (switch or self.switch).store
+        index = self._trails.get(str(store.root))
         if index is None:
-            index = self._trails.setdefault(str(root), matching.TrailIndex(root))
+            index = self._trails.setdefault(str(store.root), matching.TrailIndex(store.root))
+        store.tell_sidecar_writes(index.learn)
         scope = matching.scope_of(user, client)
         trail = matching.trail_of(call.messages, call.body.get("tools"))
 
