@@ -168,6 +168,12 @@ def scope_of(user: str | None, client: str | None) -> str:
     return short_hash("user", user) if user else short_hash("client", client or "")
 
 
+def trail_record(sidecar: Any) -> dict | None:
+    """The trail a sidecar's content records, if it records one."""
+    record = sidecar.get(SIDECAR_FIELD) if isinstance(sidecar, dict) else None
+    return record if isinstance(record, dict) else None
+
+
 class TrailIndex:
     """The trails recorded in a slot folder's sidecars, re-read only when a file changed
     (its modification time and size), the newest ``MAX_RECORDS`` of them, and the trails of
@@ -197,9 +203,9 @@ class TrailIndex:
         """A sidecar this process has just written (``SessionStore.tell_sidecar_writes``):
         cached as the folder's listing will show it, so the next request does not read it
         back. A file another process writes later differs in time or size and is read."""
-        record = sidecar.get(SIDECAR_FIELD)
+        record = trail_record(sidecar)
         with self._lock:
-            self._cache[name] = (written, dict(record) if isinstance(record, dict) else None)
+            self._cache[name] = (written, dict(record) if record is not None else None)
 
     def records(self, scope: str) -> list[dict]:
         """This scope's records: the sidecars', each replaced by a newer note of its session."""
@@ -253,8 +259,7 @@ class TrailIndex:
                 data = json.load(handle)
         except (OSError, ValueError):
             return None
-        record = data.get(SIDECAR_FIELD) if isinstance(data, dict) else None
-        return record if isinstance(record, dict) else None
+        return trail_record(data)
 
 
 def follow(session: Session, trail: Trail, records: list[dict], scope: str, min_chars: int,
