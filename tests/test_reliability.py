@@ -153,6 +153,40 @@ def test_client_check_reads_the_gunicorn_socket(tmp_path, fake):
     server_end.close()
 
 
+def test_under_gunicorn_a_sent_reply_frees_its_slot_after_close_returns():
+    """gunicorn reads a kept-alive connection's next request only once close() returns: the
+    closers of a sent reply (recording the answer, freeing the slot) run on another thread,
+    and one that waits (asking llama-server) holds up no other reply's; without gunicorn's
+    socket (the test client, other servers) they run at once."""
+    from kvproxy.web.common import CLOSERS, FreeHeldSlots
+    go, ran = threading.Event(), []
+
+    def replying(closer):
+        def app(environ, start_response):
+            environ.setdefault(CLOSERS, []).append(closer)
+            start_response("200 OK", [])
+            return [b"ok"]
+        return FreeHeldSlots(app)
+
+    def sent(app, environ):
+        body = app(environ, lambda *args: None)
+        assert list(body) == [b"ok"]
+        body.close()
+
+    sent(replying(lambda: ran.append(("slow", go.wait(5), threading.current_thread().name))),
+         {"gunicorn.socket": object()})
+    assert ran == []                   # close() returned while the closer still waits
+    sent(replying(lambda: ran.append(("quick", threading.current_thread().name))),
+         {"gunicorn.socket": object()})
+    wait_until(lambda: ran)
+    assert ran == [("quick", "kvproxy-after-reply")]
+    go.set()
+    wait_until(lambda: len(ran) == 2)
+    assert ran[1] == ("slow", True, "kvproxy-after-reply")
+    sent(replying(lambda: ran.append(("plain", threading.current_thread().name))), {})
+    assert ran[2] == ("plain", threading.current_thread().name)
+
+
 # -- a slot kvproxy cannot vouch for is foreign ----------------------------------------
 def test_judge_slot():
     assert judge_slot(None, 10) == UNKNOWN
