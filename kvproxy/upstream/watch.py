@@ -5,6 +5,7 @@ that left is only noticed by asking (``still_wanted``). One watcher thread asks 
 call a few times a second and shuts the connection of a call whose client left: llama-server
 sees it close and stops the task, which frees the slot. One thread for all calls, started
 once: a thread per call cost the no-swap path more than the rest of kvproxy's bookkeeping.
+It goes on asking while calls come, and sleeps after ``IDLE_AFTER`` seconds without one.
 
 To know which connection carries a call, the ``requests`` session mounts ``CuttableAdapter``:
 its urllib3 connections note themselves on the calling thread's watch as they send.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -25,6 +27,8 @@ log = logging.getLogger("kvproxy.upstream")
 
 # Seconds between two questions to a running call's client.
 WATCH_EVERY = 0.25
+# Seconds without a call to watch after which the thread sleeps until the next one.
+IDLE_AFTER = 60.0
 
 _calling = threading.local()  # the watch of the call this thread is making, if any
 
@@ -67,12 +71,16 @@ class _Watcher:
         self._watches: set[Watch] = set()
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._asleep = False
 
     def add(self, watch: Watch) -> None:
+        """Watch ``watch`` from the next round on. Waking the thread costs the calling
+        request a thread switch, so it is woken only from its sleep after ``IDLE_AFTER``."""
         with self._changed:
-            if not self._watches:
-                self._changed.notify()  # the thread sleeps while there is nothing to watch
             self._watches.add(watch)
+            if self._asleep:
+                self._asleep = False
+                self._changed.notify()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="kvproxy-client-watch",
                                                 daemon=True)
@@ -83,11 +91,17 @@ class _Watcher:
             self._watches.discard(watch)
 
     def _run(self) -> None:
+        idle_since = time.monotonic()
         while True:
             with self._changed:
-                while not self._watches:
-                    self._changed.wait()
                 self._changed.wait(WATCH_EVERY)  # a call is first asked about after a while
+                if self._watches:
+                    idle_since = time.monotonic()
+                elif time.monotonic() - idle_since > IDLE_AFTER:
+                    self._asleep = True
+                    while self._asleep:
+                        self._changed.wait()
+                    continue
                 watches = list(self._watches)
             for watch in watches:
                 try:

@@ -1,0 +1,39 @@
+"""The thread that asks clients of whole answers whether they are still there."""
+from __future__ import annotations
+
+import threading
+import time
+
+from kvproxy.upstream import watch
+
+
+def wait_until(condition, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_calls_are_watched_without_waking_the_thread_until_it_sleeps_idle(monkeypatch):
+    """Waking the watcher costs each call a thread switch: while calls come it asks them on
+    its own rounds, and only a call after ``IDLE_AFTER`` without any wakes it."""
+    monkeypatch.setattr(watch, "WATCH_EVERY", 0.01)
+    monkeypatch.setattr(watch, "IDLE_AFTER", 0.2)
+    watcher = watch._Watcher()
+    woken = []
+    notify = watcher._changed.notify
+    monkeypatch.setattr(watcher._changed, "notify", lambda *a: (woken.append(1), notify(*a)))
+
+    for _ in range(3):
+        asked = threading.Event()
+        call = watch.Watch(lambda: asked.set() or True)
+        watcher.add(call)
+        assert asked.wait(5)
+        watcher.remove(call)
+    assert woken == []
+
+    wait_until(lambda: watcher._asleep)
+    asked = threading.Event()
+    watcher.add(watch.Watch(lambda: asked.set() or True))
+    assert asked.wait(5)
+    assert woken == [1]
