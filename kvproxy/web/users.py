@@ -16,6 +16,7 @@ as gunicorn trusts them) and its ``User-Agent``.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -97,33 +98,41 @@ def listing_user() -> str | None:
     return user_of(sent_key(request.headers), keys) if keys else None
 
 
-def _trusted(address: str, allowed: list[str]) -> bool:
-    if "*" in allowed:
+@functools.lru_cache(maxsize=8)
+def _trusted_proxies(setting: str) -> tuple[bool, tuple]:
+    """KVPROXY_FORWARDED_ALLOW_IPS as (any address, networks), parsed once per value."""
+    entries = [a.strip() for a in setting.split(",") if a.strip()]
+    networks = []
+    for entry in entries:
+        try:
+            networks.append(ipaddress.ip_network(entry, strict=False))
+        except ValueError:
+            continue
+    return "*" in entries, tuple(networks)
+
+
+def _trusted(address: str, proxies: tuple[bool, tuple]) -> bool:
+    anyone, networks = proxies
+    if anyone:
         return True
     try:
         ip = ipaddress.ip_address(address)
     except ValueError:
         return False
-    for entry in allowed:
-        try:
-            if ip in ipaddress.ip_network(entry, strict=False):
-                return True
-        except ValueError:
-            continue
-    return False
+    return any(ip in network for network in networks)
 
 
 def client_address(environ: Mapping[str, str]) -> str:
     """The client's address: the peer's, or behind a trusted proxy the last address of
     ``X-Forwarded-For`` that is not itself a trusted proxy."""
     peer = environ.get("REMOTE_ADDR") or ""
-    allowed = [a.strip() for a in os.environ.get(
-        "KVPROXY_FORWARDED_ALLOW_IPS", FORWARDED_ALLOW_IPS_DEFAULT).split(",") if a.strip()]
-    if not _trusted(peer, allowed):
+    proxies = _trusted_proxies(os.environ.get("KVPROXY_FORWARDED_ALLOW_IPS",
+                                              FORWARDED_ALLOW_IPS_DEFAULT))
+    if not _trusted(peer, proxies):
         return peer
     hops = [h.strip() for h in environ.get("HTTP_X_FORWARDED_FOR", "").split(",") if h.strip()]
     for hop in reversed(hops):
-        if not _trusted(hop, allowed):
+        if not _trusted(hop, proxies):
             return hop
     return hops[0] if hops else peer
 
