@@ -34,6 +34,8 @@ def test_calls_are_watched_without_waking_the_thread_until_it_sleeps_idle(monkey
 
     wait_until(lambda: watcher._asleep)
     asked = threading.Event()
-    watcher.add(watch.Watch(lambda: asked.set() or True))
+    call = watch.Watch(lambda: asked.set() or True)
+    watcher.add(call)
     assert asked.wait(5)
     assert woken == [1]
+    watcher.remove(call)

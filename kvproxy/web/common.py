@@ -105,7 +105,7 @@ class FreeHeldSlots:
     server closes what the app returned (or the app raised): either way the
     request's closers run, and each is idempotent. Under gunicorn (its socket in
     the environ) the closers of a reply that was sent run on ``_AfterReply``'s
-    thread, so the connection takes its next request meanwhile.
+    threads, so the connection takes its next request meanwhile.
     """
 
     def __init__(self, app: Callable) -> None:
