@@ -2,16 +2,9 @@
 from __future__ import annotations
 
 import threading
-import time
 
 from kvproxy.upstream import watch
-
-
-def wait_until(condition, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
+from tests.test_reliability import wait_until
 
 
 def test_calls_are_watched_without_waking_the_thread_until_it_sleeps_idle(monkeypatch):
