@@ -8,7 +8,7 @@ from flask import Flask
 from flask_smorest import Api
 
 from kvproxy.config import Settings, check_slot_dir, load_settings
-from kvproxy.web.common import FreeHeldSlots
+from kvproxy.web.common import FreeHeldSlots, see_sent_replies
 from kvproxy.upstream.llama import LlamaClient
 from kvproxy.web.relay import Relay
 from kvproxy.ops.startup import Contract
@@ -82,6 +82,7 @@ def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
     app.before_request(admin.require_token)  # after the body limit, as the routes' own checks
     users.init_app(app)  # client API keys, where set
     guard.init_app(app)  # Host names, cross-site requests, admin content types
+    app.before_request(see_sent_replies)  # admin and status reads see the replies sent
     errors.init_app(app, api)
     metrics.init_app(app)
     from kvproxy.ops import status  # GET /status and /api/status

@@ -187,6 +187,31 @@ def test_under_gunicorn_a_sent_reply_frees_its_slot_after_close_returns():
     assert ran[2] == ("plain", threading.current_thread().name)
 
 
+def test_admin_and_status_reads_wait_for_the_replies_already_sent(tmp_path, fake):
+    """A client that lists its sessions or reads the status right after its answer sees that
+    answer's record: those reads wait (bounded) for the releases handed over before them;
+    chats do not wait, and neither does a read for a release handed over after it began."""
+    from kvproxy.web.common import CLOSERS, _after_reply
+    app = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM, "base_snapshots": False})
+    go, done = threading.Event(), {}
+    _after_reply.run({CLOSERS: [lambda: go.wait(5)]})   # a sent reply, still being recorded
+
+    def read(path):
+        done[path] = app.test_client().get(path).status_code
+    readers = [threading.Thread(target=read, args=(path,)) for path in ("/api/sessions", "/metrics")]
+    for reader in readers:
+        reader.start()
+    assert app.test_client().post("/v1/chat/completions", json=CHAT).status_code == 200
+    time.sleep(0.3)
+    assert done == {}, "the reads waited for the reply before them"
+    assert _after_reply.settle(0.05) is False
+    go.set()
+    for reader in readers:
+        reader.join(5)
+    assert done == {"/api/sessions": 200, "/metrics": 200}
+    assert _after_reply.settle(0) is True
+
+
 # -- a slot kvproxy cannot vouch for is foreign ----------------------------------------
 def test_judge_slot():
     assert judge_slot(None, 10) == UNKNOWN

@@ -105,6 +105,17 @@ def test_session_endpoints_show_real_files(stack, client, saved_a_and_b):
     assert current["session_id"] == "conv-b" and current["file_exists"]
 
 
+def test_a_session_is_listed_and_current_as_soon_as_its_answer_has_arrived(stack, client):
+    """Its record is written after the reply was sent (on another thread, under gunicorn):
+    the admin API reads it only once the replies already sent are recorded."""
+    for n in range(12):
+        session = f"listed-{n}"
+        ask(client, "Be brief.", "hi", session)
+        listed = {s["session_id"]: s for s in requests.get(stack.url + "/api/sessions", timeout=10).json()}
+        assert session in listed, n
+        assert requests.get(stack.url + "/api/sessions/current", timeout=10).json()["session_id"] == session
+
+
 def test_delete_removes_files_and_unknown_is_404(stack, client):
     ask(client, "Be brief.", "hi", "conv-gone")
     ask(client, "Be brief.", "hi", "conv-stays")  # conv-gone is saved to disk

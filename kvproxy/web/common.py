@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from flask import Response, current_app, request
 
+from kvproxy import routes
 from kvproxy.errors import ClientError, InternalError, KvproxyError
 from kvproxy.web.relay import ChatCall, Relay
 from kvproxy.translate import strict_json
@@ -67,7 +68,8 @@ class _AfterReply:
     that a client sending its next request at once would wait for. Each closer
     runs here with its slot still held; a thread is added (up to ``MAX_THREADS``)
     when none is free, so a release that has to ask llama-server (an answer cut
-    short) holds up no other slot's.
+    short) holds up no other slot's. ``settle`` lets a reader of that record (the
+    admin API, the status page) wait for the replies sent before it.
     """
 
     MAX_THREADS = 8
@@ -75,27 +77,62 @@ class _AfterReply:
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._settled = threading.Condition(self._lock)
         self._threads = 0
         self._idle = 0     # threads waiting for work that no queued closer has claimed yet
+        self._tickets = 0  # closers handed over so far
+        self._pending: set[int] = set()  # their tickets, until they have run
 
     def run(self, environ: dict) -> None:
         with self._lock:
+            self._tickets += 1
+            ticket = self._tickets
+            self._pending.add(ticket)
             if self._idle:
                 self._idle -= 1
             elif self._threads < self.MAX_THREADS:
                 self._threads += 1
                 threading.Thread(target=self._serve, daemon=True,
                                  name="kvproxy-after-reply").start()
-        self._queue.put(environ)
+        self._queue.put((ticket, environ))
 
     def _serve(self) -> None:
         while True:
-            run_closers(self._queue.get())  # logs a failing closer and goes on
-            with self._lock:
-                self._idle += 1
+            ticket, environ = self._queue.get()
+            try:
+                run_closers(environ)  # logs a failing closer and goes on
+            finally:
+                with self._lock:
+                    self._idle += 1
+                    self._pending.discard(ticket)
+                    self._settled.notify_all()
+
+    def settle(self, timeout: float) -> bool:
+        """Wait until the closers handed over before this call have run (False: timed out)."""
+        with self._lock:
+            before = self._tickets
+            return self._settled.wait_for(
+                lambda: not any(ticket <= before for ticket in self._pending), timeout)
 
 
 _after_reply = _AfterReply()
+
+SETTLE_TIMEOUT = 10.0  # a release that asks llama-server is itself bounded; a read then goes on
+
+
+def see_sent_replies() -> None:
+    """Before an admin or ops request: the replies already sent are recorded first.
+
+    A client that lists its sessions, reads the status page or deletes a session
+    right after its answer arrived must see (or delete) that answer's record, not
+    the one before it, and a delete must not be undone by a release still to run.
+    """
+    route = routes.of_request(request)
+    if route is None or route.family not in ("admin", "ops"):
+        return
+    if not _after_reply.settle(SETTLE_TIMEOUT):
+        log.warning("%s %s answered before every sent reply was recorded (waited %.0f s)",
+                    request.method, request.path, SETTLE_TIMEOUT)
 
 
 class FreeHeldSlots:
