@@ -190,7 +190,7 @@ def test_under_gunicorn_a_sent_reply_frees_its_slot_after_close_returns():
 def test_admin_and_status_reads_wait_for_the_replies_already_sent(tmp_path, fake):
     """A client that lists its sessions or reads the status right after its answer sees that
     answer's record: those reads wait (bounded) for the releases handed over before them;
-    chats do not wait, and neither does a read for a release handed over after it began."""
+    chats and health checks do not wait."""
     from kvproxy.web.common import CLOSERS, _after_reply
     app = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM, "base_snapshots": False})
     go, done = threading.Event(), {}
@@ -202,6 +202,7 @@ def test_admin_and_status_reads_wait_for_the_replies_already_sent(tmp_path, fake
     for reader in readers:
         reader.start()
     assert app.test_client().post("/v1/chat/completions", json=CHAT).status_code == 200
+    assert app.test_client().get("/health").status_code == 200   # a load balancer's check
     time.sleep(0.3)
     assert done == {}, "the reads waited for the reply before them"
     assert _after_reply.settle(0.05) is False

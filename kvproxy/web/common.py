@@ -120,15 +120,18 @@ _after_reply = _AfterReply()
 SETTLE_TIMEOUT = 10.0  # a release that asks llama-server is itself bounded; a read then goes on
 
 
+READS_RECORDS = ("/metrics", "/status")  # besides the admin API; not /health, which must answer at once
+
+
 def see_sent_replies() -> None:
-    """Before an admin or ops request: the replies already sent are recorded first.
+    """Before an admin, status or metrics request: the replies already sent are recorded first.
 
     A client that lists its sessions, reads the status page or deletes a session
     right after its answer arrived must see (or delete) that answer's record, not
     the one before it, and a delete must not be undone by a release still to run.
     """
     route = routes.of_request(request)
-    if route is None or route.family not in ("admin", "ops"):
+    if route is None or not (route.family == "admin" or route.path in READS_RECORDS):
         return
     if not _after_reply.settle(SETTLE_TIMEOUT):
         log.warning("%s %s answered before every sent reply was recorded (waited %.0f s)",
