@@ -118,9 +118,7 @@ class _AfterReply:
 _after_reply = _AfterReply()
 
 SETTLE_TIMEOUT = 10.0  # a release that asks llama-server is itself bounded; a read then goes on
-
-
-READS_RECORDS = ("/metrics", "/status")  # besides the admin API; not /health, which must answer at once
+READS_RECORDS = ("/metrics", "/status")  # and the admin API; not /health: it answers at once
 
 
 def see_sent_replies() -> None:
