@@ -25,6 +25,7 @@ def group_table(group: dict) -> str:
     row("time to first token p50, turns after the first, s", lambda s: _s(s["ttft_later_p50_s"]))
     row("time to first token p95, turns after the first, s", lambda s: _s(s["ttft_later_p95_s"]))
     row("wall time, s", lambda s: _s(s["wall_seconds"], 1))
+    row("of which a turn in flight, s", lambda s: _s(s.get("in_flight_seconds"), 1))
     row("generated tokens per second", lambda s: _s(s["generated_per_s"], 1))
     row("prompt tokens computed", lambda s: s["computed_tokens"])
     row("minimum (each conversation's new tokens once)", lambda s: s["minimum_tokens"])

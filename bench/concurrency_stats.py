@@ -146,6 +146,19 @@ def _finding(turn: dict, kind: str, detail: str) -> dict:
             "detail": detail}
 
 
+def in_flight_seconds(turns: list[dict]) -> float:
+    """Seconds with at least one turn sent and not yet finished (the union of the turns'
+    spans): the wall time less the moments every user was thinking. Two modes that do the
+    same work in the same in-flight time differ in wall time only by that idle time."""
+    total, end = 0.0, float("-inf")
+    for start, finish in sorted((t["sent_s"], t["finished_s"]) for t in turns):
+        if finish <= end:
+            continue
+        total += finish - max(start, end)
+        end = finish
+    return total
+
+
 def summarize(turns: list[dict], wall_seconds: float, minimum: int, extra_computed: int = 0,
               findings: list[dict] | None = None) -> dict:
     """One mode's figures: time to first token after the first turn, wall time,
@@ -162,6 +175,7 @@ def summarize(turns: list[dict], wall_seconds: float, minimum: int, extra_comput
         "ttft_later_p95_s": percentile(later, 95),
         "ttft_later_max_s": max(later, default=None),
         "wall_seconds": wall_seconds,
+        "in_flight_seconds": in_flight_seconds(turns),
         "generated_tokens": generated,
         "generated_per_s": generated / wall_seconds if wall_seconds > 0 else None,
         "computed_tokens": computed,

@@ -132,6 +132,15 @@ def test_summarize_uses_turns_after_the_first_and_adds_snapshot_tokens():
     assert s["computed_over_minimum"] == pytest.approx(16 / 12)
 
 
+def test_in_flight_time_is_the_union_of_the_turns_spans():
+    turns = [turn("A", 0, 0.0, 4.0, A1), turn("B", 0, 1.0, 3.0, B1),   # B inside A
+             turn("A", 1, 3.5, 6.0, A2),                              # overlaps A's end
+             turn("B", 1, 8.0, 9.5, B1)]                              # after 2 s of thinking
+    assert stats.in_flight_seconds(turns) == pytest.approx(6.0 + 1.5)
+    assert stats.summarize(turns, 9.5, minimum=1)["in_flight_seconds"] == pytest.approx(7.5)
+    assert stats.in_flight_seconds([]) == 0.0
+
+
 def test_targets_pass_and_fail_on_the_measured_figures():
     groups = [{"users": 4, "summaries": {"b": summary(3.0, 100), "c": summary(0.9, 70)}},
               {"users": 8, "summaries": {"b": summary(6.0, 200),
