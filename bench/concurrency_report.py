@@ -24,6 +24,7 @@ def group_table(group: dict) -> str:
 
     row("time to first token p50, turns after the first, s", lambda s: _s(s["ttft_later_p50_s"]))
     row("time to first token p95, turns after the first, s", lambda s: _s(s["ttft_later_p95_s"]))
+    row("time to first token, slowest first turn, s", lambda s: _s(s.get("ttft_first_max_s"), 1))
     row("wall time, s", lambda s: _s(s["wall_seconds"], 1))
     row("of which a turn in flight, s", lambda s: _s(s.get("in_flight_seconds"), 1))
     row("generated tokens per second", lambda s: _s(s["generated_per_s"], 1))

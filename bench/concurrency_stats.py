@@ -161,9 +161,11 @@ def in_flight_seconds(turns: list[dict]) -> float:
 
 def summarize(turns: list[dict], wall_seconds: float, minimum: int, extra_computed: int = 0,
               findings: list[dict] | None = None) -> dict:
-    """One mode's figures: time to first token after the first turn, wall time,
+    """One mode's figures: time to first token after the first turn (and of the slowest
+    first turn: how long the last new conversation waited), wall time,
     generation rate, prompt tokens against the minimum, cross-talk, errors."""
     later = [t["ttft_s"] for t in turns if t["round"] >= 1 and t.get("ttft_s") is not None]
+    first = [t["ttft_s"] for t in turns if t["round"] == 0 and t.get("ttft_s") is not None]
     computed = sum(t["prompt_n"] for t in turns) + extra_computed
     generated = sum(t["predicted_n"] for t in turns)
     findings = findings or []
@@ -174,6 +176,7 @@ def summarize(turns: list[dict], wall_seconds: float, minimum: int, extra_comput
         "ttft_later_p50_s": percentile(later, 50),
         "ttft_later_p95_s": percentile(later, 95),
         "ttft_later_max_s": max(later, default=None),
+        "ttft_first_max_s": max(first, default=None),  # when the last new user had an answer
         "wall_seconds": wall_seconds,
         "in_flight_seconds": in_flight_seconds(turns),
         "generated_tokens": generated,

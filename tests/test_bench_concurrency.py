@@ -127,6 +127,7 @@ def test_summarize_uses_turns_after_the_first_and_adds_snapshot_tokens():
              turn("B", 1, 2, 4, B1, reply=[5, 6, 7], ttft=1.5)]
     s = stats.summarize(turns, 10.0, minimum=12, extra_computed=3)
     assert s["ttft_later_n"] == 2 and s["ttft_later_p50_s"] == pytest.approx(1.0)
+    assert s["ttft_first_max_s"] == pytest.approx(9.0), "the slowest first turn, not a later one"
     assert s["computed_tokens"] == 6 + 2 + 5 + 3
     assert s["generated_per_s"] == pytest.approx(0.6)
     assert s["computed_over_minimum"] == pytest.approx(16 / 12)
