@@ -32,7 +32,7 @@ from kvproxy.launch.serve import llama_layout
 from . import batched, micro, slot_overhead
 from . import concurrency_stats as stats
 from .client import stream_chat, templated_tokens, tokenize
-from .procs import Mode
+from .procs import Mode, cpu_used
 from .workload import WORDS, text_of_tokens
 
 # llama-server's own defaults, written out so the last flag wins over anything before it.
@@ -280,8 +280,10 @@ def run_mode(mode: Mode, users: list[User], settings: dict, log) -> dict:
     """One mode with one group of users on a started stack; the mode's figures and turns."""
     tag = f"{mode.key}/{len(users)}u"
     recorder = Recorder(log, tag)
+    cpu_before = mode.cpu()
     wall = run_users(mode.url, users, settings["turns"], settings["max_tokens"],
                      settings["read_timeout"], recorder, settings["budget_s"])
+    cpu = cpu_used(cpu_before, mode.cpu())
     turns = sorted(recorder.turns, key=lambda t: (t["sent_s"], t["conversation"]))
     order = {id(t): i for i, t in enumerate(recorder.turns)}
     recorder.turns = turns
@@ -295,11 +297,12 @@ def run_mode(mode: Mode, users: list[User], settings: dict, log) -> dict:
         turn["reuse_limit"] = stats.reuse_limit(turn, turns)
     extra = base_snapshot_tokens(mode.slot_dir) if mode.proxy else 0
     summary = stats.summarize(turns, wall, sum(t["min_new_tokens"] for t in turns), extra, findings)
+    summary["cpu"] = cpu
     log(f"  [{tag}] wall {wall:.1f} s, ttft p50/p95 after the first turn "
         f"{_fmt(summary['ttft_later_p50_s'])}/{_fmt(summary['ttft_later_p95_s'])}, "
         f"{summary['generated_per_s'] or 0:.1f} generated tokens/s, computed "
         f"{summary['computed_tokens']} (minimum {summary['minimum_tokens']}), cross-talk: "
-        f"{stats.crosstalk_text(summary)}")
+        f"{stats.crosstalk_text(summary)}; CPU s: {cpu}")
     for finding in findings[:20]:
         log(f"  [{tag}] cross-talk {finding['conversation']} turn {finding['round'] + 1}: "
             f"{finding['kind']}: {finding['detail']}")

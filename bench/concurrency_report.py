@@ -27,6 +27,12 @@ def group_table(group: dict) -> str:
     row("time to first token, slowest first turn, s", lambda s: _s(s.get("ttft_first_max_s"), 1))
     row("wall time, s", lambda s: _s(s["wall_seconds"], 1))
     row("of which a turn in flight, s", lambda s: _s(s.get("in_flight_seconds"), 1))
+    if all(s.get("cpu") for s in group["summaries"].values()):
+        row("CPU seconds: llama-server, kvproxy", lambda s: " / ".join(
+            _s(s["cpu"].get(k), 1) for k in ("llama_server", "kvproxy") if k in s["cpu"]))
+        row("machine busy, core-seconds (share of all cores)", lambda s: "-" if
+            s["cpu"].get("machine_busy_share") is None else
+            f"{s['cpu']['machine_busy']:.1f} ({s['cpu']['machine_busy_share']:.0%})")
     row("generated tokens per second", lambda s: _s(s["generated_per_s"], 1))
     row("prompt tokens computed", lambda s: s["computed_tokens"])
     row("minimum (each conversation's new tokens once)", lambda s: s["minimum_tokens"])

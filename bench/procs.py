@@ -65,6 +65,43 @@ def rss_kib(pid: int) -> int | None:
     return None
 
 
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int | None) -> float | None:
+    """CPU time a process has used, user and system, all its threads; None when it is gone."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
+            stat = handle.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS   # utime, stime
+
+
+def machine_cpu() -> tuple[float, float]:
+    """(busy, total) core-seconds since boot, from /proc/stat: busy is all but idle and
+    I/O wait."""
+    with open("/proc/stat", encoding="ascii") as handle:
+        values = [int(v) for v in handle.readline().split()[1:9]]
+    idle = values[3] + values[4]
+    return (sum(values) - idle) / TICKS, sum(values) / TICKS
+
+
+def cpu_used(before: dict, after: dict) -> dict:
+    """What ``Mode.cpu`` readings taken around a run say: each process's CPU seconds, the
+    machine's busy core-seconds and their share of all cores over the run."""
+    used = {name: round(after[name] - before[name], 2) for name in ("llama_server", "kvproxy")
+            if before.get(name) is not None and after.get(name) is not None}
+    busy = after["machine"][0] - before["machine"][0]
+    total = after["machine"][1] - before["machine"][1]
+    used["machine_busy"] = round(busy, 2)
+    used["machine_busy_share"] = round(busy / total, 3) if total > 0 else None
+    return used
+
+
 class Mode:
     """One side of the comparison: its own llama-server, its own slot folder, maybe a proxy."""
 
@@ -93,6 +130,15 @@ class Mode:
     def url(self) -> str:
         """Where clients send their requests."""
         return self.proxy.url if self.proxy else self.llama.url
+
+    def cpu(self) -> dict:
+        """CPU readings to take before and after a run (``cpu_used``): llama-server's, the
+        proxy's worker's (gunicorn's master only waits) and the machine's."""
+        llama = self.llama.process.pid if self.llama.process else None
+        worker = self.proxy.worker_pid(timeout=2) if self.proxy else None
+        return {"llama_server": cpu_seconds(llama),
+                "kvproxy": cpu_seconds(worker) if self.proxy else None,
+                "machine": machine_cpu()}
 
     def start(self) -> float:
         started = time.monotonic()

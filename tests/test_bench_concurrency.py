@@ -216,6 +216,8 @@ def test_report_renders_tables_plot_and_page_section(tmp_path):
     for t, minimum in zip(turns, stats.minimum_new_tokens(turns)):
         t["min_new_tokens"] = minimum
     s = stats.summarize(turns, 3.0, sum(t["min_new_tokens"] for t in turns))
+    s["cpu"] = {"llama_server": 4.04, "kvproxy": 0.5, "machine_busy": 5.5,
+                "machine_busy_share": 0.917}
     group = {"users": 1, "modes": {"c": {"label": "(c) kvproxy, 1 slots", "proxied": True}},
              "summaries": {"c": s}, "results": {"c": {"turns": turns}},
              "failed": {"a": "RuntimeError('llama-server did not start')"}}
@@ -231,6 +233,8 @@ def test_report_renders_tables_plot_and_page_section(tmp_path):
     text = concurrency_report.text_report(conc)
     assert "| computed / minimum | 1.00x |" in text
     assert "Failed modes: a: RuntimeError" in text
+    assert "| CPU seconds: llama-server, kvproxy | 4.0 / 0.5 |" in text
+    assert "| machine busy, core-seconds (share of all cores) | 5.5 (92%) |" in text
     assert "| 1 | 10 | 5.0 | 1.00x |" in text
     section = concurrency_report.page_section(conc, "../bench/results/x.png")
     assert section.startswith(concurrency_report.START) and section.endswith(concurrency_report.END)
@@ -257,3 +261,29 @@ def test_slot_overhead_summary_reads_both_series():
     figures = slot_overhead.summary({1: [10.0, 12.0, 11.0], 4: [13.0, 12.0, 14.0]}, 4)
     assert figures["one_slot_median_ms"] == 11.0 and figures["all_slots_median_ms"] == 13.0
     assert figures["requests_each"] == 3 and figures["all_slots_p90_ms"] == 13.8  # interpolated, as bench.micro
+
+
+def test_cpu_readings_count_a_busy_process_and_the_machine():
+    import subprocess
+    import sys
+    import time
+
+    from bench import procs
+
+    assert procs.cpu_seconds(2 ** 22 + 7) is None, "a process that is gone"
+    spin = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 1.0\n"
+                             "while time.time() < end: pass\ntime.sleep(30)"])
+    try:
+        time.sleep(0.1)
+        before = {"llama_server": procs.cpu_seconds(spin.pid), "kvproxy": None,
+                  "machine": procs.machine_cpu()}
+        time.sleep(1.5)   # the child spins until 1 s after its start, then sleeps
+        used = procs.cpu_used(before, {"llama_server": procs.cpu_seconds(spin.pid),
+                                       "kvproxy": None, "machine": procs.machine_cpu()})
+    finally:
+        spin.kill()
+        spin.wait(timeout=10)
+    assert 0.6 <= used["llama_server"] <= 1.0, "its spin, and not its sleep"
+    assert "kvproxy" not in used, "no proxy in this mode"
+    assert used["machine_busy"] >= used["llama_server"] - 0.05
+    assert 0 < used["machine_busy_share"] <= 1
