@@ -42,15 +42,21 @@ def child_pids(parent: int) -> list[int]:
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as handle:
-                stat = handle.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        if len(fields) > 1 and int(fields[1]) == parent:
+        fields = stat_fields(int(entry))
+        if fields is not None and len(fields) > 1 and int(fields[1]) == parent:
             found.append(int(entry))
     return sorted(found)
+
+
+def stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (state first), None when the
+    process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
+            stat = handle.read()
+    except OSError:
+        return None
+    return stat[stat.rfind(")") + 2:].split()
 
 
 def rss_kib(pid: int) -> int | None:
@@ -70,15 +76,8 @@ TICKS = os.sysconf("SC_CLK_TCK")
 
 def cpu_seconds(pid: int | None) -> float | None:
     """CPU time a process has used, user and system, all its threads; None when it is gone."""
-    if pid is None:
-        return None
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
-            stat = handle.read()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS   # utime, stime
+    fields = stat_fields(pid) if pid is not None else None
+    return None if fields is None else (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
 
 
 def machine_cpu() -> tuple[float, float]:
