@@ -187,6 +187,42 @@ def test_under_gunicorn_a_sent_reply_frees_its_slot_after_close_returns():
     assert ran[2] == ("plain", threading.current_thread().name)
 
 
+def test_reads_wait_for_a_reply_whose_last_byte_was_written_before_close():
+    """gunicorn writes a reply's last byte, then asks the body for more, then closes it: a
+    client with the whole reply can ask the admin API before close() hands its closers over.
+    A reply of known length is waited for from its start; a stream (chunked: its ending is
+    written after the body ends) from its end, and not while it is still streaming."""
+    from kvproxy.web.common import CLOSERS, FreeHeldSlots, _after_reply
+    assert _after_reply.settle(5)
+
+    def replying(headers, chunks):
+        def app(environ, start_response):
+            environ.setdefault(CLOSERS, []).append(lambda: None)
+            start_response("200 OK", headers)
+            return iter(chunks)
+        return FreeHeldSlots(app)
+
+    whole = replying([("Content-Length", "2")], [b"ok"])({"gunicorn.socket": object()},
+                                                          lambda *args: None)
+    assert next(whole) == b"ok"                  # written: the client may have it all now
+    assert _after_reply.settle(0.05) is False    # ... and a read waits for its record
+    assert list(whole) == []
+    whole.close()
+    assert _after_reply.settle(5) is True
+
+    stream = replying([], [b"a", b"b"])({"gunicorn.socket": object()}, lambda *args: None)
+    assert next(stream) == b"a" and next(stream) == b"b"
+    assert _after_reply.settle(0) is True        # still streaming: reads do not wait for it
+    assert list(stream) == []                    # ended; gunicorn writes the chunked ending
+    assert _after_reply.settle(0.05) is False
+    stream.close()
+    assert _after_reply.settle(5) is True
+
+    plain = replying([("Content-Length", "2")], [b"ok"])({}, lambda *args: None)
+    assert list(plain) == [b"ok"] and _after_reply.settle(0) is True   # no gunicorn: at once
+    plain.close()
+
+
 def test_admin_and_status_reads_wait_for_the_replies_already_sent(tmp_path, fake):
     """A client that lists its sessions or reads the status right after its answer sees that
     answer's record: those reads wait (bounded) for the releases handed over before them;

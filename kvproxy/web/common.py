@@ -83,11 +83,20 @@ class _AfterReply:
         self._tickets = 0  # closers handed over so far
         self._pending: set[int] = set()  # their tickets, until they have run
 
-    def run(self, environ: dict) -> None:
+    def reserve(self) -> int:
+        """A ticket for closers still to be handed over: ``settle`` waits for it from now.
+        Taken before a reply's last byte is written, so a client that has the whole
+        reply cannot read records that miss it."""
         with self._lock:
             self._tickets += 1
-            ticket = self._tickets
-            self._pending.add(ticket)
+            self._pending.add(self._tickets)
+            return self._tickets
+
+    def run(self, environ: dict, ticket: int | None = None) -> None:
+        """Run the closers of ``environ`` on a thread, under ``ticket`` (reserved) or a new one."""
+        if ticket is None:
+            ticket = self.reserve()
+        with self._lock:
             if self._idle:
                 self._idle -= 1
             elif self._threads < self.MAX_THREADS:
@@ -150,27 +159,52 @@ class FreeHeldSlots:
         self.app = app
 
     def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
+        sized = []
+
+        def starting(status: str, headers: list, *exc_info: Any) -> Callable:
+            sized[:] = [any(name.lower() == "content-length" for name, _ in headers)]
+            return start_response(status, headers, *exc_info)
+
         try:
-            body = self.app(environ, start_response)
+            body = self.app(environ, starting)
         except BaseException:
             run_closers(environ)
             raise
-        return _ClosingBody(body, environ)
+        return _ClosingBody(body, environ, sized=bool(sized and sized[0]))
 
 
 class _ClosingBody:
-    """The app's response iterable, with the request's closers run after its own close."""
+    """The app's response iterable, with the request's closers run after its own close.
 
-    def __init__(self, body: Iterable[bytes], environ: dict) -> None:
+    The server calls ``close`` only after it wrote the last byte, and a client
+    that has the whole reply may at once ask the admin API about it. So the
+    ticket ``settle`` waits for is reserved before that byte: when the reply
+    starts, for a reply of known length (already whole in memory), or when the
+    body ends, for a stream (its chunked ending is written after that).
+    """
+
+    def __init__(self, body: Iterable[bytes], environ: dict, sized: bool = False) -> None:
         self._body = body
         self._iter = iter(body)
         self._environ = environ
+        self._ticket: int | None = None
+        if sized:
+            self._reserve()
+
+    def _reserve(self) -> None:
+        if (self._ticket is None and self._environ.get(CLOSERS)
+                and "gunicorn.socket" in self._environ):
+            self._ticket = _after_reply.reserve()
 
     def __iter__(self) -> "_ClosingBody":
         return self
 
     def __next__(self) -> bytes:
-        return next(self._iter)
+        try:
+            return next(self._iter)
+        except StopIteration:
+            self._reserve()
+            raise
 
     def close(self) -> None:
         try:
@@ -178,8 +212,9 @@ class _ClosingBody:
             if close is not None:
                 close()
         finally:
-            if self._environ.get(CLOSERS) and "gunicorn.socket" in self._environ:
-                _after_reply.run(self._environ)
+            if self._ticket is not None or (self._environ.get(CLOSERS)
+                                            and "gunicorn.socket" in self._environ):
+                _after_reply.run(self._environ, self._ticket)
             else:
                 run_closers(self._environ)
 
