@@ -223,6 +223,45 @@ def test_reads_wait_for_a_reply_whose_last_byte_was_written_before_close():
     plain.close()
 
 
+def test_a_stream_counts_as_sent_from_the_event_that_ends_its_answer(tmp_path, fake):
+    """openai's Python client stops reading a stream at ``[DONE]``: from llama-server's event
+    that ends the answer on, admin reads wait for the stream's release; before it they do not."""
+    from werkzeug.test import EnvironBuilder
+    from kvproxy.web.common import _after_reply
+    app = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM, "base_snapshots": False})
+    assert _after_reply.settle(5)
+    server_end, client_end = socket.socketpair()
+    environ = EnvironBuilder(path="/v1/chat/completions", method="POST",
+                             json={**CHAT, "stream": True}).get_environ()
+    environ["gunicorn.socket"] = server_end
+    body = app(environ, lambda *args: None)
+    waited = []
+    for item in body:
+        waited.append((b"finish_reason" in item or b"[DONE]" in item,
+                       not _after_reply.settle(0.02)))
+    assert [wait for ended, wait in waited if not ended] and not any(
+        wait for ended, wait in waited if not ended)           # streaming: reads go on
+    assert [wait for ended, wait in waited if ended] and all(
+        wait for ended, wait in waited if ended)               # the end is out: reads wait
+    body.close()
+    assert _after_reply.settle(5) is True
+    server_end.close()
+    client_end.close()
+
+
+def test_the_event_that_ends_an_answer():
+    from kvproxy.upstream.llama import ends_the_answer
+    assert ends_the_answer(None)                                            # [DONE]
+    assert ends_the_answer({"choices": [{"delta": {}, "finish_reason": "stop"}]})
+    assert ends_the_answer({"choices": [{"text": "", "finish_reason": "length"}]})
+    assert ends_the_answer({"content": "", "stop": True})                   # /completion
+    assert ends_the_answer({"type": "response.completed", "response": {}})  # Responses API
+    assert not ends_the_answer({"choices": [{"delta": {"content": "a"}, "finish_reason": None}]})
+    assert not ends_the_answer({"content": "a", "stop": False})
+    assert not ends_the_answer({"type": "response.output_text.delta", "delta": "a"})
+    assert not ends_the_answer({"choices": "stop"}) and not ends_the_answer("stop")
+
+
 def test_admin_and_status_reads_wait_for_the_replies_already_sent(tmp_path, fake):
     """A client that lists its sessions or reads the status right after its answer sees that
     answer's record: those reads wait (bounded) for the releases handed over before them;

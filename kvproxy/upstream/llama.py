@@ -264,6 +264,25 @@ class LlamaClient:
         return response
 
 
+# The Responses API's events that end an answer.
+_LAST_RESPONSE_EVENTS = ("response.completed", "response.incomplete", "response.failed")
+
+
+def ends_the_answer(event: Any) -> bool:
+    """Whether a parsed event of ``sse_events`` ends the answer: ``[DONE]`` (None), a
+    choice's ``finish_reason``, ``/completion``'s ``stop`` or the Responses API's last event.
+    What follows it (usage, ``[DONE]``) is no more than the end of the stream."""
+    if event is None:
+        return True
+    if not isinstance(event, dict):
+        return False
+    if event.get("stop") is True or event.get("type") in _LAST_RESPONSE_EVENTS:
+        return True
+    choices = event.get("choices")
+    return isinstance(choices, list) and any(
+        isinstance(choice, dict) and choice.get("finish_reason") for choice in choices)
+
+
 def sse_events(response: requests.Response) -> Iterator[tuple[bytes, Any]]:
     """Yield ``(raw_event_bytes, parsed_json)`` for each ``data:`` event as it arrives.
 

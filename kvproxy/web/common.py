@@ -14,6 +14,7 @@ from kvproxy import routes
 from kvproxy.errors import ClientError, InternalError, KvproxyError
 from kvproxy.web.relay import ChatCall, Relay
 from kvproxy.translate import strict_json
+from kvproxy.upstream.llama import ends_the_answer
 
 log = logging.getLogger("kvproxy.dialects")
 
@@ -178,23 +179,18 @@ class _ClosingBody:
 
     The server calls ``close`` only after it wrote the last byte, and a client
     that has the whole reply may at once ask the admin API about it. So the
-    ticket ``settle`` waits for is reserved before that byte: when the reply
-    starts, for a reply of known length (already whole in memory), or when the
-    body ends, for a stream (its chunked ending is written after that).
+    ticket ``settle`` waits for is reserved before that byte (``reserve_release``):
+    when the reply starts, for a reply of known length (already whole in memory);
+    for a stream, when llama-server's last event arrives (``serve_chat``), or at
+    the latest when the body ends (its chunked ending is written after that).
     """
 
     def __init__(self, body: Iterable[bytes], environ: dict, sized: bool = False) -> None:
         self._body = body
         self._iter = iter(body)
         self._environ = environ
-        self._ticket: int | None = None
         if sized:
-            self._reserve()
-
-    def _reserve(self) -> None:
-        if (self._ticket is None and self._environ.get(CLOSERS)
-                and "gunicorn.socket" in self._environ):
-            self._ticket = _after_reply.reserve()
+            reserve_release(environ)
 
     def __iter__(self) -> "_ClosingBody":
         return self
@@ -203,7 +199,7 @@ class _ClosingBody:
         try:
             return next(self._iter)
         except StopIteration:
-            self._reserve()
+            reserve_release(self._environ)
             raise
 
     def close(self) -> None:
@@ -212,11 +208,36 @@ class _ClosingBody:
             if close is not None:
                 close()
         finally:
-            if self._ticket is not None or (self._environ.get(CLOSERS)
-                                            and "gunicorn.socket" in self._environ):
-                _after_reply.run(self._environ, self._ticket)
+            ticket = self._environ.pop(RELEASE_TICKET, None)
+            if ticket is not None or _releases_after_reply(self._environ):
+                _after_reply.run(self._environ, ticket)
             else:
                 run_closers(self._environ)
+
+
+RELEASE_TICKET = "kvproxy.release_ticket"
+
+
+def _releases_after_reply(environ: dict) -> bool:
+    return bool(environ.get(CLOSERS)) and "gunicorn.socket" in environ
+
+
+def reserve_release(environ: dict) -> None:
+    """From now on, admin reads wait for this request's release (once; under gunicorn only,
+    where releases run after the reply)."""
+    if RELEASE_TICKET not in environ and _releases_after_reply(environ):
+        environ[RELEASE_TICKET] = _after_reply.reserve()
+
+
+def _reserved_at_the_end(events: Iterator[tuple[bytes, Any]],
+                         environ: dict) -> Iterator[tuple[bytes, Any]]:
+    """llama-server's events, the release reserved before the one that ends the answer goes
+    on: a client may stop at what is rendered from it (openai's Python client stops reading
+    at ``[DONE]``) and ask the admin API at once."""
+    for raw, event in events:
+        if ends_the_answer(event):
+            reserve_release(environ)
+        yield raw, event
 
 
 def client_still_there() -> Callable[[], bool]:
@@ -274,10 +295,11 @@ def serve_chat(call: ChatCall, *, stream: bool,
     exchange = relay().stream(call)
     hold_slot_until_closed(exchange.close)
     bug = InternalError(request.method, request.path)  # the stream runs after the request
+    environ = request.environ
 
     def body() -> Iterator[bytes]:
         try:
-            yield from render_stream(exchange.events())
+            yield from render_stream(_reserved_at_the_end(exchange.events(), environ))
         except KvproxyError as exc:
             yield render_stream_error(exc.status, exc.client_message)
         except Exception:  # a rendering bug must end the stream visibly, not silently
