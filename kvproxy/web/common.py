@@ -160,10 +160,11 @@ class FreeHeldSlots:
         self.app = app
 
     def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
-        sized = []
+        sized = False   # the reply has a Content-Length: it is whole in memory
 
         def starting(status: str, headers: list, *exc_info: Any) -> Callable:
-            sized[:] = [any(name.lower() == "content-length" for name, _ in headers)]
+            nonlocal sized
+            sized = any(name.lower() == "content-length" for name, _ in headers)
             return start_response(status, headers, *exc_info)
 
         try:
@@ -171,7 +172,7 @@ class FreeHeldSlots:
         except BaseException:
             run_closers(environ)
             raise
-        return _ClosingBody(body, environ, sized=bool(sized and sized[0]))
+        return _ClosingBody(body, environ, sized=sized)
 
 
 class _ClosingBody:
