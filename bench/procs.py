@@ -136,7 +136,7 @@ class Mode:
         llama = self.llama.process.pid if self.llama.process else None
         worker = self.proxy.worker_pid(timeout=2) if self.proxy else None
         return {"llama_server": cpu_seconds(llama),
-                "kvproxy": cpu_seconds(worker) if self.proxy else None,
+                "kvproxy": cpu_seconds(worker),
                 "machine": machine_cpu()}
 
     def start(self) -> float:
