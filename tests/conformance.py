@@ -150,6 +150,17 @@ DIFFERENCES: dict[str, Difference] = {
         "No real conversation has that many; one such request would hold the slot for minutes "
         "while the others wait, so it is refused before the slot is taken.",
         (200, 400), "(KVPROXY_MAX_MESSAGES)"),
+    "several-answers": Difference(
+        "POST /v1/chat/completions, /v1/completions, /completion, /v1/responses (every "
+        "generation route)", "`n` (or `n_cmpl`) above 1",
+        "200 with that many answers, the ones after the first computed in other idle slots "
+        "(400 when above its `-np`)",
+        "400 `'n' is 2: kvproxy answers one completion per request ...`",
+        "llama-server copies the request's slot into another idle slot for each extra answer, "
+        "over the conversation kvproxy keeps there: that conversation's next turn would be "
+        "computed again from nothing, or its saved file could hold this request's text. "
+        "Sending the request again gives another answer.",
+        (200, 400), "kvproxy answers one completion per request"),
     "slot-actions": Difference(
         "POST /slots/<id>", "`?action=save`, `restore`, `erase`",
         "200: saves, restores or erases the slot",

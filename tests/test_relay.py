@@ -252,3 +252,29 @@ def test_a_request_whose_client_left_while_waiting_costs_no_swap(tmp_path, fake)
     thread.join(5)
     assert isinstance(outcome[0], ClientGone)
     assert fake.actions == actions, "no save, restore or erase for a client that left"
+
+
+@pytest.mark.parametrize("path,body,field,value", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n", 2),
+    ("/v1/completions", {"prompt": "Once", "n": 3}, "n", 3),
+    ("/completion", {"prompt": "Once", "n_cmpl": 2, "n": 1}, "n_cmpl", 2),
+    ("/v1/responses", {"input": "hi", "n": 2.0}, "n", 2.0),
+])
+def test_a_request_for_several_answers_is_refused_before_the_slot_is_taken(
+        client, fake, path, body, field, value):
+    """llama-server runs each answer after the first in another idle slot, over the
+    conversation kvproxy keeps there: refused in the client's API's shape, nothing sent."""
+    reply = client.post(path, headers={"X-Session-Id": "alice"}, json=body)
+    assert reply.status_code == 400
+    message = reply.get_json()["error"]["message"]
+    assert f"'{field}' is {value}" in message and "one completion per request" in message
+    assert not [c for c in fake.mock.calls if "/slots" in c.request.url
+                or c.request.url.endswith(path)]
+
+
+@pytest.mark.parametrize("body", [{"n": 1}, {"n_cmpl": 1, "n": 5}, {"n": None}, {"n": "2"},
+                                  {"n": True}, {}])
+def test_one_answer_or_a_value_llama_server_judges_is_not_refused(client, body):
+    reply = client.post("/v1/chat/completions", headers={"X-Session-Id": "bob"},
+                        json={"messages": [{"role": "user", "content": "hi"}], **body})
+    assert reply.status_code == 200, reply.get_data(as_text=True)

@@ -66,6 +66,10 @@ SAVES_DROPPED = Counter("kvproxy_saves_dropped_total",
                         "Saves the slot folder could not take (no room, a failed write): the "
                         "session's newest turns were not kept on disk, the swap went ahead",
                         ["kind"], registry=REGISTRY)
+SAVES_REFUSED = Counter("kvproxy_saves_refused_total",
+                        "Saves not installed because llama-server saved another token count "
+                        "than the slot was recorded with: something else ran in the slot",
+                        ["kind"], registry=REGISTRY)
 EVICTED_BYTES = Counter("kvproxy_evicted_bytes_total", "Bytes of slot files deleted by eviction",
                         registry=REGISTRY)
 

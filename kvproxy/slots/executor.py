@@ -355,9 +355,16 @@ class SlotExecutor:
                 saved_bytes=size, save_ms=round(save_ms, 2), saved_at=now_iso(),
                 saved_from_slot=slot, refused=None, refused_by=None)
         try:
-            sidecar = disk.checked_save(self.client, slot, self.store, stem, describe)
+            sidecar = disk.checked_save(self.client, slot, self.store, stem, describe,
+                                        lambda n_saved: plan.saved_as_recorded(n_saved, tokens))
         except UpstreamUnavailable as exc:
             log.warning("could not save session %s: %s", session_id, exc)
+            return None
+        except disk.NotAsRecorded as exc:
+            log.warning("not saving %s %s (%d tokens recorded): %s; slot %d is unproven until "
+                        "its next swap", kind, session_id, tokens, exc, slot)
+            metrics.SAVES_REFUSED.labels(kind).inc()
+            self.mark_unproven(slot)
             return None
         if sidecar is None:
             log.warning("not saving session %s: slot %d is empty", session_id, slot)

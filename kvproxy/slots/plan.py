@@ -44,6 +44,14 @@ def judge_slot(entry: dict | None, expected: int) -> str:
     return OURS if abs(held - expected) <= TOKEN_SLACK else FOREIGN
 
 
+def saved_as_recorded(n_saved: object, expected: int) -> bool:
+    """Whether a save llama-server reports holds the ``expected`` tokens kvproxy recorded in
+    the slot. Its ``n_saved`` is the count ``/slots`` lists (the slot's cached tokens), so
+    the same slack applies. A save that differs caught something else in the slot (a task
+    llama-server placed there itself, another client): it must never become a file."""
+    return isinstance(n_saved, int) and abs(n_saved - expected) <= TOKEN_SLACK
+
+
 def view_without_asking(state: SlotState, uncertain: bool, open_since: bool) -> str | None:
     """What the slot holds when that is known without asking ``/slots``; None: ask.
 

@@ -53,6 +53,11 @@ class SaveFailed(StorageError):
     session's old file and sidecar are as they were, or both removed."""
 
 
+class NotAsRecorded(StorageError):
+    """llama-server saved another token count than kvproxy recorded in the slot: the slot
+    holds something else, so the save is discarded and the old file and sidecar stay."""
+
+
 # -- one save ----------------------------------------------------------------
 def temp_path(store: SessionStore, stem: str) -> Path:
     """Where llama-server writes a save before it is checked (a name its filename check accepts)."""
@@ -68,11 +73,13 @@ def discard(path: Path) -> None:
 
 
 def checked_save(client: LlamaClient, slot_id: int, store: SessionStore, stem: str,
-                 describe: Callable[[dict, int], dict]) -> dict | None:
+                 describe: Callable[[dict, int], dict],
+                 as_recorded: Callable[[object], bool] = lambda n_saved: True) -> dict | None:
     """Have llama-server save the slot under a temporary name, check it, then put it and its
     sidecar (``describe(answer, size)``) in place. Returns the sidecar, or None when the slot
-    is empty (an empty save never replaces a file). A save that llama-server or the folder
-    cannot complete raises StorageError with the old file and sidecar untouched."""
+    is empty (an empty save never replaces a file). A save whose token count
+    ``as_recorded`` refuses raises NotAsRecorded; one that llama-server or the folder cannot
+    complete raises SaveFailed; both leave the old file and sidecar untouched."""
     tmp = temp_path(store, stem)
     try:
         if tmp.is_file() or tmp.is_symlink() or companions(tmp):  # left by an interrupted save
@@ -85,6 +92,11 @@ def checked_save(client: LlamaClient, slot_id: int, store: SessionStore, stem: s
     if not answer.get("n_saved"):
         discard(tmp)
         return None
+    if not as_recorded(answer.get("n_saved")):
+        discard(tmp)
+        raise NotAsRecorded(f"llama-server saved {answer.get('n_saved')} tokens of slot "
+                            f"{slot_id}, not what kvproxy recorded there; {stem}.bin is kept "
+                            "as it was")
     sidecar = describe(answer, checked_size(store, stem, answer))
     sidecar["companions"] = companion_suffixes(tmp)   # written beside it by llama-server
     install(store, stem, sidecar)

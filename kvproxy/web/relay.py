@@ -217,6 +217,37 @@ def text_chars(messages: list) -> int:
     return total
 
 
+# The body fields in which llama-server takes the number of answers to one prompt
+# (``n_cmpl``, with OpenAI's ``n`` as its alias; server-schema.cpp).
+ANSWER_COUNT_FIELDS = ("n_cmpl", "n")
+
+
+def answers_asked(body: Any) -> tuple[str, int] | None:
+    """The field that asks for several answers to one prompt and its value, or None: the
+    first of ``ANSWER_COUNT_FIELDS`` present decides, as in llama-server. llama-server runs
+    every answer after the first in another idle slot, copying the leased slot's state over
+    whatever conversation that slot held."""
+    if not isinstance(body, dict):
+        return None
+    for name in ANSWER_COUNT_FIELDS:
+        value = body.get(name)
+        if value is None:
+            continue
+        several = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 1
+        return (name, value) if several else None  # other values: llama-server judges them
+    return None
+
+
+def check_one_answer(body: Any) -> None:
+    """Refuse, before the slot is taken, a request for several answers (``answers_asked``):
+    kvproxy leases one slot per request."""
+    asked = answers_asked(body)
+    if asked:
+        raise ClientError(f"'{asked[0]}' is {asked[1]}: kvproxy answers one completion per "
+                          "request (llama-server would run the others in slots that hold "
+                          "other conversations); send the request again for another answer")
+
+
 def pinned(body: Any, slot: int) -> Any:
     """A JSON object body with ``id_slot`` set to the leased slot (other bodies as they are)."""
     return {**body, "id_slot": slot} if isinstance(body, dict) else body
@@ -297,6 +328,7 @@ class Relay:
         conversation holds (llama-server would render their template for minutes with the slot
         held), or more text than the slot's context could take at a generous bound of
         characters per token (llama-server would refuse it after tokenizing)."""
+        check_one_answer(call.body)
         messages = call.messages
         if len(messages) > self.settings.max_messages:
             raise ClientError(f"the request has {len(messages)} messages; kvproxy takes at most "
