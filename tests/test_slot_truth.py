@@ -49,3 +49,33 @@ def test_a_swap_that_caught_something_else_keeps_the_old_file(tmp_path, fake):
     switch.release(lease, {"cache_n": 0, "prompt_n": 30, "predicted_n": 0})
     assert not switch.store.has_bin(A.stem)
     assert switch.table.get(0).session_id == "B"
+
+
+# -- side tasks ----------------------------------------------------------------------------
+def test_a_side_task_is_leased_a_slot_holding_nothing_kept_else_a_saved_one():
+    from kvproxy.slots.plan import side_slot
+    from kvproxy.slots.state import SlotState
+    unsaved = SlotState(Phase.UNSAVED, "A", "a", "a", True, None, 10, used_at="2026-01-01")
+    saved_old = SlotState(Phase.OURS, "B", "b", "b", True, None, 10, used_at="2026-01-02")
+    saved_new = SlotState(Phase.OURS, "C", "c", "c", True, None, 10, used_at="2026-01-03")
+    assert side_slot({0: unsaved, 1: saved_new, 2: saved_old}, [0, 1, 2]) == 2
+    assert side_slot({0: unsaved, 1: saved_new}, [0, 1, 2]) == 2, "slot 2 holds nothing"
+    assert side_slot({0: unsaved}, [0]) == 0
+
+
+def test_a_side_request_names_its_model_in_its_json_body_or_its_form():
+    from flask import Flask
+    from kvproxy.web.passthrough import _model_named
+    app = Flask(__name__)
+    with app.test_request_context("/v1/embeddings", method="POST",
+                                  json={"model": "gemma", "input": "x"}):
+        assert _model_named() == "gemma"
+    with app.test_request_context("/v1/audio/transcriptions", method="POST",
+                                  data={"model": "whisper", "file": (__import__("io").BytesIO(
+                                      b"RIFF"), "a.wav")}):
+        from flask import request
+        assert _model_named() == "whisper"
+        assert b"RIFF" in request.get_data(), "the form is still sent as it came"
+    with app.test_request_context("/v1/rerank", method="POST", data=b"not json",
+                                  content_type="application/json"):
+        assert _model_named() is None

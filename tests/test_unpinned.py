@@ -1,6 +1,7 @@
 """Side tasks llama-server does not pin (embeddings, rerank, decisions) on a stubbed
 llama-server with two slots: the conversation of another idle slot is saved first and comes
-back from its file when the task ran there; a busy slot is left alone; a burst saves once."""
+back from its file when the task ran there; a slot another thread holds is waited for; a
+burst saves once."""
 import json
 import logging
 import threading
@@ -185,22 +186,43 @@ def test_a_burst_of_side_tasks_saves_each_conversation_once(app, fake, tasks, tm
     assert chat(client, "B").headers["X-KVProxy-Cache"] == "hit"
 
 
-def test_a_busy_slot_is_left_alone_and_not_waited_for(app, fake, tasks, tmp_path):
+def test_a_side_task_waits_for_a_slot_another_thread_holds_and_runs_once_it_is_free(
+        app, fake, tasks, tmp_path):
+    """A slot another thread holds may be idle in llama-server (a background save, the
+    moment between a restore and its answer, after an answer's last token): the task could
+    land there, so it runs only once kvproxy holds every slot."""
     client = app.test_client()
     chat(client, "A")
     chat(client, "B")
     switch = app.extensions["kvproxy.switch"]
     entry = SessionStore(tmp_path).read_table()[slot_of(tmp_path, "B")]
-    streaming = switch.acquire(Session("B", "test", key=entry["active_key"]))  # B's answer runs
+    holder = switch.acquire(Session("B", "test", key=entry["active_key"]))  # B's turn holds it
     outcome = []
     side = threading.Thread(target=lambda: outcome.append(
         client.post("/v1/embeddings", json={"input": "x"}).status_code))
     side.start()
+    side.join(0.2)
+    assert outcome == [] and tasks.ran == [], "the task waits while B's slot is held"
+    switch.release(holder)
     side.join(5)
-    assert outcome == [200], "the side task did not wait for B's slot (lock bound 0.5 s)"
-    assert not [a for s, a, _ in fake.slot_actions if s == streaming.slot and a == "save"]
-    switch.release(streaming)
+    assert outcome == [200] and len(tasks.ran) == 1
 
+
+def test_a_side_task_that_cannot_hold_every_slot_in_time_answers_503_and_runs_nowhere(
+        app, fake, tasks, tmp_path):
+    client = app.test_client()
+    chat(client, "A")
+    chat(client, "B")
+    switch = app.extensions["kvproxy.switch"]
+    entry = SessionStore(tmp_path).read_table()[slot_of(tmp_path, "B")]
+    holder = switch.acquire(Session("B", "test", key=entry["active_key"]))
+    try:
+        reply = client.post("/v1/embeddings", json={"input": "x"})   # lock bound 0.5 s
+        assert reply.status_code == 503 and reply.headers.get("Retry-After")
+        assert tasks.ran == []
+        assert switch.pool.busy_here() == {holder.slot}, "the slots it took are free again"
+    finally:
+        switch.release(holder)
 
 
 def test_when_slots_cannot_be_read_after_the_task_every_held_slot_is_unproven(

@@ -409,6 +409,15 @@ def incoming_stems(session: Session) -> set[str]:
     return stems
 
 
+def side_slot(table: dict[int, SlotState], slot_ids: list[int]) -> int:
+    """The slot a side task is leased (the caller holds them all): one holding no session
+    kvproxy keeps, else one whose file has its turns, least recently used first."""
+    def cost(slot: int) -> tuple[bool, bool, str]:
+        state = table.get(slot) or SlotState()
+        return state.keeps_file, worth_saving(state), state.used_at or ""
+    return min(slot_ids, key=cost)
+
+
 def save_before_side(state: SlotState) -> bool:
     """Whether a slot's session must be saved before a side request llama-server may run in
     that slot: a persistent session whose newest turns its file lacks, in a slot kvproxy can

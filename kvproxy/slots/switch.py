@@ -348,6 +348,17 @@ class SlotSwitch:
         return Lease(session, filled.cache, filled.tokens, swap_ms, filled.stem, made_by,
                      prompt, slot=slot, prefill=filled.prefill, restore_ms=filled.restore_ms)
 
+    def swap_held(self, slot: int, session: Session, placed: str) -> Lease:
+        """Swap ``slot``, which the caller holds and frees itself (side tasks), to ``session``;
+        ``release`` then only does the request's bookkeeping."""
+        try:
+            lease = self._swap_to(session, None, slot, placed)
+        except BaseException:
+            self.executor.swap_failed(slot)
+            raise
+        lease._release = lambda: None
+        return lease
+
     def clear(self, slot: int | None = None) -> list[int]:
         """Save what a slot (default: every slot) holds, erase it and make ``default`` its
         session; waits for each slot like a request. Returns the slots cleared."""

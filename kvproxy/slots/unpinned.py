@@ -4,24 +4,26 @@ llama-server reads ``id_slot`` only for completions. Embeddings, rerank and
 decisions (``/v1/systemone``) never set it, and a transcription comes as a
 form kvproxy cannot pin: each task goes to the least recently used idle slot,
 one slot per input, and overwrites what that slot held. With one slot that is
-the leased slot. With several it can be another idle slot holding a
-conversation whose newest turns are not in its file yet.
+the leased slot. With several it can be any slot that is idle in llama-server,
+including one another thread of kvproxy holds between two steps (a background
+save, the moment between a restore and its answer, after an answer's last token).
 
-So while such a request runs, ``protect_other_slots`` holds every other slot
-it can take without waiting (a slot a request holds is left alone: it is
-processing, or about to be), saves the sessions there that have unsaved
-turns, and afterwards marks each slot the request ran in as unproven, so its
-session comes back from its file. The decisions are ``plan.save_before_side``
-and ``plan.side_landed_in``.
+So a side task runs only while kvproxy holds every slot (``side_task``): it
+waits, bounded, for each one, saves the sessions there that have unsaved turns,
+and afterwards marks each slot the task ran in as unproven, so its session comes
+back from its file. The decisions are ``plan.side_slot``,
+``plan.save_before_side`` and ``plan.side_landed_in``.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import TYPE_CHECKING, Iterator
 
+from kvproxy.sessions.identity import SIDE_SESSION, Session
 from kvproxy.upstream.llama import UpstreamError, UpstreamUnavailable
-from kvproxy.slots.plan import OURS, save_before_side, side_landed_in
+from kvproxy.slots.plan import OURS, save_before_side, side_landed_in, side_slot
 from kvproxy.slots.state import SlotState
 from kvproxy.storage.store import StorageError
 
@@ -31,22 +33,33 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvproxy.switch")
 
+SIDE = Session(SIDE_SESSION, "side-request", persistent=False)
+
 
 @contextlib.contextmanager
-def protect_other_slots(switch: "SlotSwitch", lease: "Lease") -> Iterator[None]:
-    """Around a side request that holds ``lease``: nothing happens with a single slot."""
-    others = [slot for slot in switch.slot_ids() if slot != lease.slot]
-    if not others:
-        yield
-        return
+def side_task(switch: "SlotSwitch") -> Iterator["Lease"]:
+    """The lease of a side task, with every slot of ``switch`` held until it ends. Slots are
+    taken in ascending order, as every holder of several slots takes them, so two holders
+    never wait for each other; the whole wait is bounded by the lock timeout (then
+    ``SlotBusy``, a 503 with Retry-After)."""
+    slots = sorted(switch.slot_ids())
+    deadline = time.monotonic() + switch.lock_timeout
     taken: list[int] = []
     try:
-        taken = [slot for slot in others if switch.try_hold(slot)]
-        _save_unsaved(switch, taken)
+        for slot in slots:
+            switch.pool.lock(slot).acquire(timeout=max(0.0, deadline - time.monotonic()))
+            taken.append(slot)
+        leased = side_slot(switch.table.read(), slots)
+        lease = switch.swap_held(leased, SIDE, placed="side")
+        others = [slot for slot in slots if slot != leased]
         try:
-            yield
+            _save_unsaved(switch, others)
+            try:
+                yield lease
+            finally:
+                _mark_landed(switch, leased, others)
         finally:
-            _mark_landed(switch, lease.slot, taken)
+            switch.release(lease)
     finally:
         for slot in reversed(taken):
             switch.give_back(slot)

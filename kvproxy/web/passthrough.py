@@ -6,7 +6,7 @@ slot, and llama-server's answer comes back unchanged, its errors included.
 ``side`` routes run a task on the slot (embeddings, rerank): they wait for the
 slot like a side request, which saves the conversation it held first and is
 never saved itself. llama-server ignores ``id_slot`` for all of them, so with
-several slots the other idle slots are protected too (``kvproxy.slots.unpinned``).
+several slots they run while kvproxy holds every slot (``kvproxy.slots.unpinned``).
 Only kvproxy's own failures (llama-server unreachable, slot busy) answer in
 OpenAI's error shape. Methods that change llama-server for
 everyone (``POST /props``, ``POST /lora-adapters``) need the admin token when
@@ -22,10 +22,9 @@ from flask import Blueprint, Response, request
 
 from kvproxy import routes
 from kvproxy.errors import ClientError, UpstreamUnavailable
-from kvproxy.sessions.identity import SIDE_SESSION, Session
 from kvproxy.upstream.llama import LlamaClient
 from kvproxy.web.relay import pinned
-from kvproxy.slots.unpinned import protect_other_slots
+from kvproxy.slots.unpinned import side_task
 from kvproxy.web.common import relay
 
 blueprint = Blueprint("passthrough", __name__)
@@ -47,19 +46,29 @@ def plain() -> Response:
 
 
 def side() -> Response:
-    """A side task: the slot is freed before the answer goes out (it holds nothing after it).
-    llama-server ignores ``id_slot`` for every side route, so the other slots are
-    protected while it runs (``unpinned``)."""
-    switch = relay().switch
-    lease = switch.acquire(Session(SIDE_SESSION, "side-request", persistent=False))
-    try:
-        with protect_other_slots(switch, lease):
-            upstream = _send(lease)
-            content = relay().client.content(upstream)  # llama-server may go away mid-answer
-    finally:
-        switch.release(lease)
+    """A side task, for the model the request names (behind a router): the slot is freed
+    before the answer goes out (it holds nothing after it). llama-server ignores
+    ``id_slot`` for every side route, so the task runs while every slot is held
+    (``unpinned``)."""
+    switch, _ = relay().models.route(_model_named())
+    with side_task(switch) as lease:
+        upstream = _send(lease)
+        content = relay().client.content(upstream)  # llama-server may go away mid-answer
     return Response(content, status=upstream.status_code,
                     headers={**_kept_headers(upstream), **lease.headers()})
+
+
+def _model_named() -> object:
+    """The model a side request names: in its JSON body, or a field of its form (a
+    transcription's upload); None when it names none."""
+    data = request.get_data()   # read first: the form is then parsed from it, and sent as is
+    if request.mimetype != "application/json":
+        return request.form.get("model")
+    try:
+        body = json.loads(data)
+    except ValueError:
+        return None
+    return body.get("model") if isinstance(body, dict) else None
 
 
 def refused(**_path_args: str) -> Response:

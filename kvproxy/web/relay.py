@@ -23,7 +23,7 @@ from kvproxy.upstream.llama import LlamaClient, UpstreamError, UpstreamUnavailab
 from kvproxy.slots.lease import Lease
 from kvproxy.slots.models import ModelSwitches, is_loaded, pick_model
 from kvproxy.slots.switch import SlotSwitch
-from kvproxy.slots.unpinned import protect_other_slots
+from kvproxy.slots.unpinned import side_task
 from kvproxy.translate import usage
 from kvproxy.web import users
 
@@ -389,16 +389,11 @@ class Relay:
             raise
 
     def side_call(self, path: str, body: dict) -> dict:
-        """A request that uses the slot but belongs to no conversation (embeddings).
-        llama-server ignores its ``id_slot``: the other slots are protected (``unpinned``)."""
+        """A request that uses a slot but belongs to no conversation (embeddings).
+        llama-server ignores its ``id_slot``: it runs while every slot is held (``unpinned``)."""
         switch, client = self.models.route(body.get("model"))
-        lease = switch.acquire(identity.Session(identity.SIDE_SESSION, "side-request",
-                                                persistent=False))
-        try:
-            with protect_other_slots(switch, lease):
-                return client.post_json(path, pinned(client._named(body), lease.slot))
-        finally:
-            switch.release(lease)
+        with side_task(switch) as lease:
+            return client.post_json(path, pinned(client._named(body), lease.slot))
 
     def model_facts(self, requested: object = None) -> dict:
         """llama-server's /props and /v1/models, cached briefly, plus the served name; behind
