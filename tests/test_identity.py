@@ -253,3 +253,22 @@ def test_ids_up_to_the_bound_are_kept_and_longer_ones_keep_their_start_and_a_has
     longer = identity.normalise_id(at_bound + "y")
     start, digest = longer.split("~")
     assert start == "x" * 64 and re.fullmatch(r"[0-9a-f]{16}", digest)
+
+
+def test_the_fields_the_template_renders_beside_the_system_prompt_name_another_base_only():
+    """Two requests with one system prompt and other tools have other system tokens: their
+    base snapshots differ, their session (key, stem) does not, so a client that adds a tool
+    keeps its conversation."""
+    from kvproxy.sessions.identity import resolve
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    plain = resolve({"X-Session-Id": "s"}, {}, messages, stream=True, header_names=["X-Session-Id"])
+    tools = resolve({"X-Session-Id": "s"}, {"tools": [tool]}, messages, stream=True,
+                    header_names=["X-Session-Id"])
+    other = resolve({"X-Session-Id": "s"}, {"tools": [tool, tool]}, messages, stream=True,
+                    header_names=["X-Session-Id"])
+    assert (plain.key, plain.stem) == (tools.key, tools.stem)
+    assert plain.base_hash == plain.system_hash, "no template fields: the base it always had"
+    assert len({plain.base_hash, tools.base_hash, other.base_hash}) == 3
+    anonymous = resolve({}, {"tools": [tool]}, messages, stream=True, header_names=[])
+    assert anonymous.base_hash == tools.base_hash

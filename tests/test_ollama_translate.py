@@ -335,6 +335,7 @@ def app(tmp_path, upstream):
         return taken[-1]
 
     switch.acquire = acquire
+    switch.swap_held = lambda slot, session, placed: acquire(session)   # side tasks
     switch.release = lambda lease, timings=None: switch.released.setdefault(id(lease), timings)
     yield application
     kept = [lease.session.id for lease in taken if id(lease) not in switch.released]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import json
 import re
 import unicodedata
 import dataclasses
@@ -68,6 +69,8 @@ class Session:
     seed: str | None = None
     # What this request's prompt records in the session's sidecar (``matching.Trail.record``).
     trail: dict | None = dataclasses.field(default=None, compare=False, repr=False)
+    # The fields the chat template renders beside the system prompt (``template_hash_of``).
+    template_hash: str | None = None
 
     def __post_init__(self):
         if not self.key:
@@ -77,6 +80,15 @@ class Session:
     def stem(self) -> str:
         own = f"{owner_tag(self.owner)}." if self.owner else ""
         return on_model(own + file_stem(self.key), self.model)
+
+    @property
+    def base_hash(self) -> str | None:
+        """Names the base snapshot of the session's system prompt: its hash, with the
+        template fields' when the request sets any (they change the system tokens, not
+        the conversation: a client that adds a tool keeps its session)."""
+        if not self.system_hash or not self.template_hash:
+            return self.system_hash
+        return short_hash(self.system_hash, self.template_hash)
 
     @property
     def seed_stem(self) -> str | None:
@@ -130,6 +142,21 @@ def first_user_message(messages: Iterable[Mapping[str, Any]]) -> str:
 
 def short_hash(*parts: str) -> str:
     return hashlib.sha256("\x00".join(parts).encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+# Body fields the chat template renders beside the system prompt (tools in the system turn,
+# thinking switches): one system prompt with other values of these has other system tokens.
+TEMPLATE_FIELDS = ("tools", "functions", "tool_choice", "chat_template_kwargs",
+                   "reasoning_format", "think", "thinking")
+
+
+def template_hash_of(body: Mapping[str, Any]) -> str | None:
+    """The hash of the ``TEMPLATE_FIELDS`` a client's body sets; None when it sets none."""
+    extra = {name: body[name] for name in TEMPLATE_FIELDS
+             if isinstance(body, Mapping) and body.get(name) is not None}
+    if not extra:
+        return None
+    return short_hash(json.dumps(extra, sort_keys=True, ensure_ascii=False, default=str))
 
 
 def file_stem(session_id: str) -> str:
@@ -305,16 +332,18 @@ def resolve(headers: Mapping[str, str], body: Mapping[str, Any],
     system_hash = short_hash(system) if system else None
     if side_pattern and is_side_request(messages, stream, side_pattern):
         return Session(SIDE_SESSION, "side-request", persistent=False)
+    template_hash = template_hash_of(body) if system else None
     named = explicit_id(headers, body, header_names)
     if named:
         return Session(named[0], named[1], system_hash=system_hash,
-                       key=client_key(named[0], system_hash))
+                       key=client_key(named[0], system_hash), template_hash=template_hash)
     first_user = first_user_message(messages)
     if anonymous == "conversation" and (system or first_user):
         return Session("conv-" + short_hash(system, first_user), "conversation-hash",
-                       system_hash=system_hash)
+                       system_hash=system_hash, template_hash=template_hash)
     if system:
-        return Session("sys-" + system_hash, "system-hash", system_hash=system_hash)
+        return Session("sys-" + system_hash, "system-hash", system_hash=system_hash,
+                       template_hash=template_hash)
     return Session(DEFAULT_SESSION, "default", persistent=False)
 
 

@@ -153,8 +153,8 @@ class SlotExecutor:
                    made_by: dict, restoring_off: bool, base_snapshots: bool,
                    has_prompt: bool) -> SwapFacts:
         own = self.file_facts(session.stem) if session.persistent else None
-        base = self.file_facts(base_stem(session.system_hash, session.model)) \
-            if session.persistent and session.system_hash and base_snapshots else None
+        base = self.file_facts(base_stem(session.base_hash, session.model)) \
+            if session.persistent and session.base_hash and base_snapshots else None
         seed = self.file_facts(session.seed_stem) \
             if session.persistent and session.seed else None
         facts = SwapFacts(slot, state, session, view, made_by, restoring_off, own, base,

@@ -278,7 +278,7 @@ def plan_swap(facts: SwapFacts) -> list[Action]:
             actions.append(refused)
     actions.append(Erase(slot))
     if wants_base(facts):
-        actions.append(MakeBase(slot, facts.session.system_hash, facts.session.model))
+        actions.append(MakeBase(slot, facts.session.base_hash, facts.session.model))
     actions.append(Record(slot, facts.session))
     return actions
 
@@ -404,8 +404,8 @@ def incoming_stems(session: Session) -> set[str]:
     stems = {session.stem}
     if session.seed:
         stems.add(session.seed_stem)
-    if session.system_hash:
-        stems.add(base_stem(session.system_hash, session.model))
+    if session.base_hash:
+        stems.add(base_stem(session.base_hash, session.model))
     return stems
 
 
