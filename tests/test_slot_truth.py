@@ -79,3 +79,71 @@ def test_a_side_request_names_its_model_in_its_json_body_or_its_form():
     with app.test_request_context("/v1/rerank", method="POST", data=b"not json",
                                   content_type="application/json"):
         assert _model_named() is None
+
+
+# -- saves and eviction --------------------------------------------------------------------
+def test_two_slots_saving_one_file_never_share_its_temporary_file(tmp_path):
+    """Two new conversations behind one new system prompt each make its base snapshot: the
+    second save waits for the first instead of deleting or overwriting its temporary file."""
+    import threading
+    import time
+
+    import responses as responses_lib
+
+    from tests.fake_llama import FakeLlama
+    with responses_lib.RequestsMock(assert_all_requests_are_fired=False) as mock:
+        fake = FakeLlama(mock, tmp_path, n_slots=2)
+        switch = make_switch(tmp_path, slots=2)
+        fake.held[:] = [36, 36]
+        made_by = switch.current_made_by()
+        write = fake._slot_action
+        second: list = []
+        started = []
+
+        def first_save_then_another(slot, action, filename):
+            answer = write(slot, action, filename)
+            if action == "save" and not second:
+                worker = threading.Thread(target=lambda: second.append(switch.executor.save(
+                    "base:cafe", "base.cafe", made_by, "base", "cafe", slot=1, tokens=36)))
+                second.append(worker)
+                worker.start()
+                time.sleep(0.3)   # the other slot's save would run now, if it could
+                started.extend(a for a in fake.slot_actions if a[0] == 1)
+            return answer
+        fake._slot_action = first_save_then_another
+        dropped = metric("kvproxy_saves_dropped_total", kind="base")
+        first = switch.executor.save("base:cafe", "base.cafe", made_by, "base", "cafe",
+                                     slot=0, tokens=36)
+        second[0].join(5)
+    assert started == [], "the second save reached llama-server while the first was open"
+    assert first is not None and second[1] is not None
+    assert metric("kvproxy_saves_dropped_total", kind="base") == dropped
+    assert switch.store.read_sidecar("base.cafe")["saved_from_slot"] == 1
+    assert switch.store.bin_path("base.cafe").stat().st_size == 40
+    assert not list(tmp_path.glob("*.saving.bin"))
+
+
+def test_eviction_never_deletes_a_save_being_written(tmp_path, fake):
+    switch = make_switch(tmp_path, max_disk_bytes=40)
+    turn(switch, A, fake, 12)
+    turn(switch, B, fake, 12)                     # A: 16 bytes
+    writing = tmp_path / "other.saving.bin"       # another slot's save, not yet checked
+    writing.write_bytes(bytes(20))
+    turn(switch, A, fake, 12)                     # saving B needs room: A's file goes
+    assert writing.exists(), "the other save would fail as if the folder were not llama-server's"
+    assert switch.store.has_bin(B.stem)
+
+
+def test_a_file_a_swap_is_about_to_restore_is_never_evicted(tmp_path, fake):
+    """Eviction chooses and deletes under the lock with which swaps pin the files they may
+    restore: a file pinned before eviction looks is spared."""
+    switch = make_switch(tmp_path, max_disk_bytes=24)
+    turn(switch, A, fake, 12)
+    turn(switch, B, fake, 12)                     # A: 16 bytes, the oldest file
+    C = Session("C", "test", model=MODEL)
+    with switch.budget.pinned({A.stem}):          # another slot's swap to A has looked
+        turn(switch, C, fake, 12)                 # saving B (16) wants A's room: pinned
+        assert switch.store.has_bin(A.stem)
+    assert switch.budget._pins == {}, "no pin outlives its swap"
+    turn(switch, B, fake, 12)                     # saving C: A, unpinned now, is evicted
+    assert not switch.store.has_bin(A.stem)

@@ -338,6 +338,11 @@ class SlotExecutor:
         written under a temporary name, checked, then renamed over the old file. A disk that
         cannot take it raises StorageError with the old file untouched; llama-server out of
         reach gives None."""
+        with self.budget.saving():   # one save into the folder at a time
+            return self._save(session_id, stem, made_by, kind, system_hash, slot, tokens, keep)
+
+    def _save(self, session_id: str, stem: str, made_by: dict, kind: str,
+              system_hash: str | None, slot: int, tokens: int, keep: set[str]) -> dict | None:
         # Files of sessions other slots hold stay too: they may be saved over, not evicted.
         protected = {stem, *keep, *(s.stem for s in self.table.read().values())}
         estimate = self.budget.make_room(stem, tokens, made_by, protected)

@@ -314,6 +314,15 @@ class SlotSwitch:
         asked_for = session
         made_by, asking = self.fingerprints.for_swap()
         session = session.on_model(plan.model_of(made_by))
+        # The files this swap may restore stay until it is done (eviction by other slots).
+        with self.budget.pinned(incoming_stems(session)):
+            return self._fill(asked_for, session, prompt, slot, placed, state, view, made_by,
+                              asking, started)
+
+    def _fill(self, asked_for: Session, session: Session, prompt: PromptView | None,
+              slot: int, placed: str, state: SlotState, view: str, made_by: dict, asking,
+              started: float) -> Lease:
+        """The rest of a swap that is not a hit: plan it from the facts, carry it out."""
         restoring_off = self.restore_check.restoring_off(fingerprint_key(made_by))
         if view == plan.UNASKED and plan.swap_needs_view(state, session, restoring_off):
             view = self.slot_view(state, slot)

@@ -17,6 +17,8 @@ budget includes them.
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
 import os
 import re
@@ -24,7 +26,9 @@ import shutil
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable, Iterator
+
+import filelock
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -44,6 +48,9 @@ MB = 1024**2
 MAX_FREE_SHARE = 0.1
 # How long /health and the status page report a dropped save.
 TROUBLE_SECONDS = 600
+# How long a save waits for the one before it in the same folder (llama-server writes one
+# slot file at a time anyway, in its main loop).
+SAVE_WAIT_SECONDS = 300
 # A temporary sidecar as ``write_json_beside`` names it: .<stem>.json.<random>.tmp
 TEMP_SIDECAR = re.compile(r"^\.(?P<stem>.+)\.json\.[^.]+\.tmp$")
 
@@ -389,13 +396,56 @@ class DroppedSaves:
 class DiskBudget:
     """Keeps the slot folder within ``max_bytes`` and its filesystem ``min_free`` bytes free
     (at most ``MAX_FREE_SHARE`` of the filesystem's size), and counts the saves it could
-    not take (``dropped``)."""
+    not take (``dropped``).
+
+    Saves into the folder run one at a time (``saving``): two slots saving one file (two
+    new conversations making one base snapshot) never share its temporary file, and
+    eviction never meets another save's. Files a swap is about to restore are ``pinned``
+    from before the swap reads them until it is done: eviction chooses and deletes under the
+    same lock, so it never deletes a file between a swap's look and llama-server's read."""
 
     def __init__(self, store: SessionStore, max_bytes: int = 0, min_free: int = 0):
         self.store = store
         self.max_bytes = max_bytes
         self.min_free = min_free
         self.dropped = DroppedSaves()
+        self._save_thread_lock = threading.Lock()
+        self._save_file_lock = filelock.FileLock(str(store.save_lock_path), thread_local=False)
+        self._pins: collections.Counter[str] = collections.Counter()
+        self._pins_lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def saving(self, timeout: float = SAVE_WAIT_SECONDS) -> Iterator[None]:
+        """Hold the folder's save lock (threads and processes), waiting at most ``timeout``
+        seconds; SaveFailed when another save holds it longer."""
+        deadline = time.monotonic() + timeout
+        if not self._save_thread_lock.acquire(timeout=timeout):
+            raise SaveFailed(f"another save into the slot folder took more than {timeout:.0f} s")
+        try:
+            try:
+                self._save_file_lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
+            except filelock.Timeout:
+                raise SaveFailed(f"another process's save into the slot folder took more than "
+                                 f"{timeout:.0f} s") from None
+            try:
+                yield
+            finally:
+                self._save_file_lock.release()
+        finally:
+            self._save_thread_lock.release()
+
+    @contextlib.contextmanager
+    def pinned(self, stems: Iterable[str]) -> Iterator[None]:
+        """Keep ``stems`` from eviction while the block runs (a swap that may restore them)."""
+        stems = list(stems)
+        with self._pins_lock:
+            self._pins.update(stems)
+        try:
+            yield
+        finally:
+            with self._pins_lock:
+                self._pins.subtract(stems)
+                self._pins += collections.Counter()   # drops stems no swap pins any more
 
     def free_bytes(self) -> int | None:
         try:
@@ -453,6 +503,8 @@ class DiskBudget:
                 continue
             size = bytes_with_companions(path)   # the file and what llama-server wrote beside it
             total += size
+            if path.parent == self.store.root and is_leftover(path.name):
+                continue   # a save being written (or one a crash left: the start-up sweep's)
             sidecar = saved.get(path.stem) if path.parent == self.store.root else None
             if sidecar and not is_leftover(path.name):
                 if path.stem in keep:
@@ -491,27 +543,30 @@ class DiskBudget:
         incoming = self.estimate(stem, tokens, made_by, sidecars)
         if not self.max_bytes and not self.min_free and not incoming:
             return incoming
-        entries, total = self.entries(keep, sidecars)
-        free, floor = self.free_bytes(), self.floor()
-        victims, fits = plan_eviction(entries, total=total, incoming=incoming,
-                                      replacing=self.store.disk_bytes(stem), free=free,
-                                      max_bytes=self.max_bytes, min_free=floor)
-        if not fits:
-            raise SaveFailed(
-                f"no room to save {stem}.bin: {shown(free or 0)} free on the slot folder's "
-                f"filesystem, the save needs about {shown(incoming)} and {shown(floor)} is kept "
-                f"free (KVPROXY_MIN_FREE_GB, at most {MAX_FREE_SHARE:.0%} of the filesystem)")
-        self._delete(victims, "to make room for a save")
+        with self._pins_lock:   # chosen and deleted while no swap can pin a file
+            entries, total = self.entries(keep | set(self._pins), sidecars)
+            free, floor = self.free_bytes(), self.floor()
+            victims, fits = plan_eviction(entries, total=total, incoming=incoming,
+                                          replacing=self.store.disk_bytes(stem), free=free,
+                                          max_bytes=self.max_bytes, min_free=floor)
+            if not fits:
+                raise SaveFailed(
+                    f"no room to save {stem}.bin: {shown(free or 0)} free on the slot folder's "
+                    f"filesystem, the save needs about {shown(incoming)} and {shown(floor)} is "
+                    f"kept free (KVPROXY_MIN_FREE_GB, at most {MAX_FREE_SHARE:.0%} of the "
+                    f"filesystem)")
+            self._delete(victims, "to make room for a save")
         return incoming
 
     def trim(self, keep: set[str]) -> None:
         """After a save: back within the folder bound if the estimate was short."""
         if not self.max_bytes:
             return
-        entries, total = self.entries(keep)
-        victims, _ = plan_eviction(entries, total=total, incoming=0, replacing=0, free=None,
-                                   max_bytes=self.max_bytes, min_free=0)
-        self._delete(victims, "the slot folder is over its bound")
+        with self._pins_lock:
+            entries, total = self.entries(keep | set(self._pins))
+            victims, _ = plan_eviction(entries, total=total, incoming=0, replacing=0,
+                                       free=None, max_bytes=self.max_bytes, min_free=0)
+            self._delete(victims, "the slot folder is over its bound")
 
     def _delete(self, victims: list[Entry], why: str) -> None:
         for entry in victims:

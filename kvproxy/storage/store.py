@@ -42,6 +42,7 @@ SIDECAR_FORMAT = 3
 STATE_FORMAT = 3
 STATE_FILE = ".kvproxy-state.json"
 STATE_LOCK = ".kvproxy-state.lock"
+SAVE_LOCK = ".kvproxy-save.lock"  # one save at a time per folder and model
 LOCK_FILE = ".kvproxy.lock"     # slot 0's lock (the name older versions used for their one slot)
 TEMP_SUFFIX = ".saving.bin"     # a save in progress: <stem>.saving.bin
 PROBE_PREFIX = "probe."         # the start-up check's probe file: probe.<hex>.bin
@@ -287,6 +288,11 @@ class SessionStore:
     def slot_lock_path(self, slot: int) -> Path:
         """The cross-process lock of one slot."""
         return self.root / self._scoped(LOCK_FILE if slot == 0 else f".kvproxy-slot{int(slot)}.lock")
+
+    @property
+    def save_lock_path(self) -> Path:
+        """The cross-process lock around saves into this folder (``disk.DiskBudget.saving``)."""
+        return self.root / self._scoped(SAVE_LOCK)
 
     def bin_path(self, stem: str) -> Path:
         return self.root / f"{stem}.bin"
