@@ -48,6 +48,8 @@ def test_every_model_and_slot_call_names_the_model_and_listings_never_load_it():
 
 
 class FakeSwitch:
+    deletions = None
+
     def __init__(self, store=None, client=None):
         self.store, self.client, self.saved = store, client, []
 
@@ -75,3 +77,73 @@ def test_before_a_model_is_loaded_the_other_models_unsaved_turns_are_saved(tmp_p
         with pytest.raises(ClientError) as refused:
             models.route("gpt-4")
     assert refused.value.status == 404 and "gemma-3-270m-q4_k_m" in refused.value.message
+
+
+def router_over(tmp_path, fake, loaded=("m1", "m2")):
+    """ModelSwitches in front of the stub posing as a router of models m1 and m2 (one slot
+    each, which the stub shares: tests look at each model's table and calls)."""
+    from kvproxy.slots.switch import SlotSwitch
+    from tests.fake_llama import UPSTREAM, make_switch
+    fake.props["role"] = "router"
+    fake.models = {"data": [{"id": m, "status": {"value": "loaded" if m in loaded else
+                                                  "unloaded"}} for m in ("m1", "m2")]}
+    return ModelSwitches(LlamaClient(UPSTREAM), make_switch(tmp_path),
+                         lambda client, store: SlotSwitch(client, store, base_snapshots=False))
+
+
+def erases_by_model(fake):
+    return [(json.loads(c.request.body).get("model"), "autoload=false" in c.request.url)
+            for c in fake.mock.calls if "action=erase" in c.request.url]
+
+
+def test_deleting_a_session_empties_its_slots_on_every_model_behind_a_router(tmp_path, fake):
+    from kvproxy.sessions.identity import Session
+    models = router_over(tmp_path, fake)
+    for model in ("m1", "m2"):
+        switch, _ = models.route(model)
+        lease = switch.acquire(Session("A", "test", model=model))
+        fake.held[0] = 20
+        switch.release(lease, {"cache_n": 0, "prompt_n": 19, "predicted_n": 1})
+        assert switch.checkpoint() is True          # A has a file on each model
+    fake.mock.calls.reset()
+    assert models.forget("A") is True
+    assert sorted(erases_by_model(fake)) == [("m1", True), ("m2", True)], \
+        "every model's slot erased, never loading a model for it"
+    for model in ("m1", "m2"):
+        assert models.switch_for(model).table.get(0).session_id == "default"
+    assert not list(tmp_path.glob("A-*"))
+
+
+def test_a_model_the_router_unloaded_is_not_loaded_to_forget_a_session(tmp_path, fake):
+    """After a restart of kvproxy its state table still names the session: the slot is no
+    longer trusted, and nothing is asked of the router for it."""
+    from kvproxy.sessions.identity import Session
+    models = router_over(tmp_path, fake)
+    switch, _ = models.route("m2")
+    lease = switch.acquire(Session("A", "test", model="m2"))
+    switch.release(lease, {"cache_n": 0, "prompt_n": 19, "predicted_n": 1})
+    restarted = router_over(tmp_path, fake, loaded=("m1",))
+    fake.mock.calls.reset()
+    restarted.forget("A")
+    assert erases_by_model(fake) == []
+    state = restarted.switch_for("m2").table.get(0)
+    assert (state.session_id, state.phase.value) == ("default", "unproven")
+
+
+def test_the_admin_delete_erases_the_slot_of_the_model_the_session_ran_on(tmp_path, fake):
+    from kvproxy import create_app
+    from tests.fake_llama import UPSTREAM
+    router_over(tmp_path, fake)
+    app = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM, "base_snapshots": False})
+    client = app.test_client()
+    for model in ("m2", "m1", "m2"):   # back on m2: a hit (its slot holds the conversation)
+        reply = client.post("/v1/chat/completions", headers={"X-Session-Id": "a"}, json={
+            "model": model, "messages": [{"role": "user", "content": "hi"}]})
+        assert reply.status_code == 200
+    assert reply.headers["X-KVProxy-Cache"] == "hit"
+    fake.mock.calls.reset()
+    assert client.delete("/api/sessions/a").status_code == 204
+    assert sorted(erases_by_model(fake)) == [("m1", True), ("m2", True)]
+    reply = client.post("/v1/chat/completions", headers={"X-Session-Id": "a"}, json={
+        "model": "m2", "messages": [{"role": "user", "content": "hi"}]})
+    assert reply.headers["X-KVProxy-Cache"] == "miss", "the deleted conversation came back"

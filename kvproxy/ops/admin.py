@@ -215,8 +215,9 @@ class RestoreCheckReset(MethodView):
 class OneSession(MethodView):
     @blueprint.response(204)
     def delete(self, session_id: str):
-        """Delete a session's slot file and sidecar; erases the slot if it holds it."""
-        if not _switch().forget(session_id):
+        """Delete a session's slot files and sidecars, of every model; erases every slot that
+        holds it."""
+        if not current_app.extensions["kvproxy.models"].forget(session_id):
             abort(404, message=f"no saved session {session_id!r}")
 
 

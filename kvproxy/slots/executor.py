@@ -419,9 +419,9 @@ class SlotExecutor:
         metrics.observe_swap("restore", time.monotonic() - started, answer.get("n_read", 0))
         return int(answer.get("n_restored") or 0), float(restore_ms)
 
-    def erase(self, slot: int) -> None:
+    def erase(self, slot: int, autoload: bool = True) -> None:
         started = time.monotonic()
-        self.client.slot_action(slot, "erase")
+        self.client.slot_action(slot, "erase", autoload=autoload)
         metrics.observe_swap("erase", time.monotonic() - started, 0)
 
     def make_base(self, slot: int, system_hash: str, made_by: dict,

@@ -21,6 +21,7 @@ from typing import Callable
 
 from kvproxy.errors import ClientError
 from kvproxy.sessions.identity import model_tag
+from kvproxy.slots.state import SlotTable
 from kvproxy.slots.switch import SlotSwitch
 from kvproxy.storage.store import SessionStore
 from kvproxy.upstream.llama import LlamaClient, UpstreamError, UpstreamUnavailable
@@ -139,7 +140,33 @@ class ModelSwitches:
                 client = self.client.for_model(model)
                 store = SessionStore(self.default.store.root, model=model_tag(model))
                 switch = self._switches[model] = self._make_switch(client, store)
+                switch.deletions = self.default.deletions  # a deletion spans every model
             return switch
+
+    def forget(self, session_id: str) -> bool:
+        """Delete a session on every model: behind a router, each model's slots holding it are
+        emptied (erased where the router has the model loaded), then its files of every model
+        go. False when it had no file."""
+        if not self.is_router():
+            return self.default.forget(session_id)
+        entries = self.entries(fresh=True)
+        with self.default.deletions.deleting(session_id):
+            for entry in entries:
+                switch = self._holding(entry["id"], session_id)
+                if switch is not None:
+                    switch.empty_slots_of(session_id, loaded=is_loaded(entry))
+            return self.default.delete_files(session_id)
+
+    def _holding(self, model: str, session_id: str) -> SlotSwitch | None:
+        """The switch of ``model`` when it has one, or when its state table names the session
+        (a model kvproxy has not used since it started may still hold it in a slot)."""
+        with self._lock:
+            switch = self._switches.get(model)
+        if switch is None:
+            table = SlotTable(SessionStore(self.default.store.root, model=model_tag(model)))
+            if any(state.session_id == session_id for state in table.read().values()):
+                switch = self.switch_for(model)
+        return switch
 
     def save_others(self, model: str) -> None:
         """Save what the other models' slots hold and their files lack: loading ``model`` may

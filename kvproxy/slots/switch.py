@@ -421,26 +421,30 @@ class SlotSwitch:
             self.empty_slots_of(session_id)
             return self.delete_files(session_id)
 
-    def empty_slots_of(self, session_id: str) -> None:
+    def empty_slots_of(self, session_id: str, loaded: bool = True) -> None:
         """Erase every slot that holds ``session_id`` and record it empty, waiting for each like
-        a request. With llama-server down the slot is no longer trusted instead, so what it
-        holds is never saved or served again."""
+        a request. With llama-server down (or, behind a router, the model not loaded:
+        ``loaded=False`` asks nothing that would load it) the slot is no longer trusted
+        instead, so what it holds is never saved or served again."""
         holders = [slot for slot, state in self.table.read().items()
                    if state.session_id == session_id]
         for slot in holders:
-            if slot not in self.slot_ids():
+            if loaded and slot not in self.slot_ids():
                 continue
             self.pool.lock(slot).acquire()
             try:
                 state = self.table.get(slot)
                 if state.session_id != session_id:
                     continue
-                try:
-                    self.executor.erase(slot)
-                except (UpstreamError, UpstreamUnavailable) as exc:
-                    log.warning("could not erase slot %d of deleted session %s: %s",
-                                slot, session_id, exc)
+                if not loaded:
                     self.executor.uncertain.add(slot)
+                else:
+                    try:
+                        self.executor.erase(slot, autoload=False)
+                    except (UpstreamError, UpstreamUnavailable) as exc:
+                        log.warning("could not erase slot %d of deleted session %s: %s",
+                                    slot, session_id, exc)
+                        self.executor.uncertain.add(slot)
                 self.table.put(slot, emptied(state, slot in self.executor.uncertain))
             finally:
                 self.pool.give_back(slot)
