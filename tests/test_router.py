@@ -147,3 +147,29 @@ def test_the_admin_delete_erases_the_slot_of_the_model_the_session_ran_on(tmp_pa
     reply = client.post("/v1/chat/completions", headers={"X-Session-Id": "a"}, json={
         "model": "m2", "messages": [{"role": "user", "content": "hi"}]})
     assert reply.headers["X-KVProxy-Cache"] == "miss", "the deleted conversation came back"
+
+
+def test_one_models_disk_budget_never_evicts_the_file_of_a_session_another_model_holds(
+        tmp_path, fake):
+    """Behind a router each model has its own switch and state table, in one slot folder."""
+    from kvproxy.sessions.identity import Session
+    from kvproxy.slots.switch import SlotSwitch
+    from kvproxy.storage.store import SessionStore
+    from tests.fake_llama import MODEL, UPSTREAM
+
+    def on(model):
+        return SlotSwitch(LlamaClient(UPSTREAM), SessionStore(tmp_path, model=model),
+                          base_snapshots=False, max_disk_bytes=40)  # two 16-byte files
+
+    def answer(switch, session_id):
+        lease = switch.acquire(Session(session_id, "test", model=MODEL))
+        fake.held[0] = 12
+        switch.release(lease, {"cache_n": 0, "prompt_n": 11, "predicted_n": 1})
+        return lease
+    m1, m2 = on("m1"), on("m2")
+    answer(m1, "A")
+    assert m1.checkpoint() is True            # m1's slot holds A, the folder's oldest file
+    for session_id in ("B", "C", "D"):        # m2 saves B, then C: room made for C
+        answer(m2, session_id)
+    assert sorted(p.name[0] for p in tmp_path.glob("*.bin")) == ["A", "C"], \
+        "the file of the session m1's slot holds was evicted"

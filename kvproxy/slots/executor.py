@@ -338,8 +338,9 @@ class SlotExecutor:
         written under a temporary name, checked, then renamed over the old file. A disk that
         cannot take it raises StorageError with the old file untouched; llama-server out of
         reach gives None."""
-        # Files of sessions other slots hold stay too: they may be saved over, not evicted.
-        protected = {stem, *keep, *(s.stem for s in self.table.read().values())}
+        # Files of sessions other slots (of any model) hold stay too: they may be saved over,
+        # not evicted.
+        protected = {stem, *keep, *self.store.held_stems()}
         estimate = self.budget.make_room(stem, tokens, made_by, protected)
         started = time.monotonic()
 
