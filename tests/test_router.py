@@ -1,5 +1,6 @@
 """Router mode against stubs: which model a request names, and every call naming it."""
 import json
+from types import SimpleNamespace
 
 import pytest
 import responses
@@ -48,10 +49,11 @@ def test_every_model_and_slot_call_names_the_model_and_listings_never_load_it():
 
 
 class FakeSwitch:
-    deletions = None
+    deletions = activity = None
 
     def __init__(self, store=None, client=None):
         self.store, self.client, self.saved = store, client, []
+        self.budget = SimpleNamespace(dropped=None)
 
     def checkpoint(self, timeout, unsaved_only=False):
         self.saved.append(unsaved_only)
@@ -173,3 +175,24 @@ def test_one_models_disk_budget_never_evicts_the_file_of_a_session_another_model
         answer(m2, session_id)
     assert sorted(p.name[0] for p in tmp_path.glob("*.bin")) == ["A", "C"], \
         "the file of the session m1's slot holds was evicted"
+
+
+def test_the_admin_api_and_status_show_and_clear_every_models_slots(tmp_path, fake):
+    from kvproxy import create_app
+    from tests.fake_llama import UPSTREAM
+    router_over(tmp_path, fake)
+    app = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM, "base_snapshots": False})
+    client = app.test_client()
+    for model in ("m1", "m2"):
+        assert client.post("/v1/chat/completions", headers={"X-Session-Id": "a"}, json={
+            "model": model, "messages": [{"role": "user", "content": "hi"}]}).status_code == 200
+    rows = [(row["model"], row["id"], row["session_id"])
+            for row in client.get("/api/slots").get_json()]
+    assert rows == [("m1", 0, "a"), ("m2", 0, "a")]
+    status = client.get("/api/status").get_json()
+    assert [row["model"] for row in status["slots"]] == ["m1", "m2"]
+    assert status["stats"]["requests"] == 2, "every model's requests are counted"
+    fake.mock.calls.reset()
+    assert client.post("/api/sessions/clear", json={}).get_json()["slots"] == [0, 0]
+    assert sorted(m for m, _ in erases_by_model(fake)) == ["m1", "m2"]
+    assert {row["session_id"] for row in client.get("/api/slots").get_json()} == {"default"}

@@ -140,8 +140,36 @@ class ModelSwitches:
                 client = self.client.for_model(model)
                 store = SessionStore(self.default.store.root, model=model_tag(model))
                 switch = self._switches[model] = self._make_switch(client, store)
-                switch.deletions = self.default.deletions  # a deletion spans every model
+                self._share(switch)
             return switch
+
+    def _share(self, switch: SlotSwitch) -> None:
+        """What every model's switch keeps in common with the default one: deletions (a
+        session's spans every model), the recent activity and dropped saves (the status page,
+        /health and the command line read the default switch's)."""
+        switch.deletions = self.default.deletions
+        switch.activity = self.default.activity
+        switch.budget.dropped = self.default.budget.dropped
+
+    def serving(self, loaded_only: bool = False) -> list[SlotSwitch]:
+        """The switches whose slots kvproxy drives: behind a router one per model asked for
+        since start (``loaded_only``: of those the router has loaded now), else the one."""
+        if not self.is_router():
+            return [self.default]
+        with self._lock:
+            switches = dict(self._switches)
+        if loaded_only:
+            loaded = {e["id"] for e in self.entries(fresh=True) if is_loaded(e)}
+            switches = {m: s for m, s in switches.items() if m in loaded}
+        return list(switches.values())
+
+    def slot_listing(self) -> list[dict]:
+        """Every slot kvproxy drives (``SlotSwitch.slot_listing``), behind a router each
+        naming its model. Asks llama-server nothing once it is known."""
+        if not self.is_router():
+            return self.default.slot_listing()
+        return [{**row, "model": switch.client.model}
+                for switch in self.serving() for row in switch.slot_listing()]
 
     def forget(self, session_id: str) -> bool:
         """Delete a session on every model: behind a router, each model's slots holding it are
