@@ -13,6 +13,7 @@ ENTRIES = [{"id": "SmolLM2-135M-Instruct.Q4_1", "aliases": ["smol"],
             "status": {"value": "loaded"}},
            {"id": "gemma-3-270m-q4_k_m", "aliases": [], "status": {"value": "unloaded"}}]
 URL = "http://router.test"
+UPSTREAM_MODELS = "http://llama.test/v1/models"
 
 
 @pytest.mark.parametrize("requested,expected", [
@@ -130,6 +131,19 @@ def test_a_model_the_router_unloaded_is_not_loaded_to_forget_a_session(tmp_path,
     assert erases_by_model(fake) == []
     state = restarted.switch_for("m2").table.get(0)
     assert (state.session_id, state.phase.value) == ("default", "unproven")
+
+
+def test_with_the_router_down_a_deleted_sessions_files_still_go(tmp_path, fake):
+    from kvproxy.sessions.identity import Session
+    models = router_over(tmp_path, fake)
+    switch, _ = models.route("m1")
+    lease = switch.acquire(Session("A", "test", model="m1"))
+    fake.held[0] = 20
+    switch.release(lease, {"cache_n": 0, "prompt_n": 19, "predicted_n": 1})
+    assert switch.checkpoint() is True
+    fake.mock.replace(responses.GET, UPSTREAM_MODELS, status=503)
+    assert models.forget("A") is True and not list(tmp_path.glob("A-*"))
+    assert switch.table.get(0).phase.value == "unproven"
 
 
 def test_the_admin_delete_erases_the_slot_of_the_model_the_session_ran_on(tmp_path, fake):

@@ -177,7 +177,11 @@ class ModelSwitches:
         go. False when it had no file."""
         if not self.is_router():
             return self.default.forget(session_id)
-        entries = self.entries(fresh=True)
+        try:
+            entries = self.entries(fresh=True)
+        except (UpstreamError, UpstreamUnavailable):  # its files still go, as with one model
+            with self._lock:
+                entries = [{"id": model} for model in self._switches]  # none known loaded
         with self.default.deletions.deleting(session_id):
             for entry in entries:
                 switch = self._holding(entry["id"], session_id)
