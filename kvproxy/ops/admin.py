@@ -227,7 +227,7 @@ class OneSession(MethodView):
     def delete(self, session_id: str):
         """Delete a session's slot files and sidecars, of every model; erases every slot that
         holds it."""
-        if not current_app.extensions["kvproxy.models"].forget(session_id):
+        if not _models().forget(session_id):
             abort(404, message=f"no saved session {session_id!r}")
 
 
