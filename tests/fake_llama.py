@@ -116,7 +116,7 @@ class FakeLlama:
         return status, {"Content-Type": "application/json"}, json.dumps(body)
 
     def _slot(self, request):
-        action = request.url.split("action=")[1]
+        action = re.search(r"action=(\w+)", request.url).group(1)
         slot = int(request.url.split("/slots/")[1].split("?")[0]) % len(self.held)
         filename = json.loads(request.body or b"{}").get("filename")
         self.actions.append((action, filename))

@@ -9,6 +9,7 @@ restored from its file.
 from __future__ import annotations
 
 import os
+import time
 
 import ollama
 import openai
@@ -81,3 +82,33 @@ def test_conversations_come_back_from_their_files_when_their_model_was_unloaded(
     states = {m["id"]: m["status"]["value"]
               for m in requests.get(llama.url + "/v1/models", timeout=30).json()["data"]}
     assert sorted(states.values()) == ["loaded", "unloaded"], states  # one model at a time
+
+
+@pytest.mark.timeout(600)
+def test_a_deleted_session_is_erased_from_its_models_slot(router):
+    """DELETE /api/sessions/<id> behind the router erases the slot of the model the session
+    ran on: its next turn computes the prompt afresh instead of finding it in the slot."""
+    _, proxy = router
+    listed = requests.get(proxy.url + "/v1/models", timeout=30).json()["data"]
+    smollm = next(m["id"] for m in listed if "SmolLM2" in m["id"])
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0, timeout=300)
+    messages = [{"role": "user", "content": long_text(200, 77) + "\nName the first rule."}]
+
+    def turn():
+        raw = client.chat.completions.with_raw_response.create(
+            model=smollm, max_tokens=4, temperature=0, messages=messages,
+            extra_headers={"X-Session-Id": "deleted"})
+        usage = raw.parse().usage
+        return raw.headers["X-KVProxy-Cache"], usage.prompt_tokens_details.cached_tokens, \
+            usage.prompt_tokens
+    turn()
+    for _ in range(60):   # saved behind once the slot settled
+        if any(s["session_id"] == "deleted" for s in
+               requests.get(proxy.url + "/api/sessions", timeout=30).json()):
+            break
+        time.sleep(0.5)
+    assert turn()[0] == "hit", "the slot holds the conversation"
+    assert requests.delete(proxy.url + "/api/sessions/deleted", timeout=60).status_code == 204
+    cache, reused, prompt = turn()
+    print(f"\nafter DELETE: {cache}, {reused} of {prompt} reused")
+    assert cache == "miss" and reused < 0.1 * prompt, (cache, reused, prompt)

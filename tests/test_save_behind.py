@@ -125,3 +125,39 @@ def test_the_plan_saves_only_turns_the_file_lacks():
     saved = plan.plan_swap(SwapFacts(state=base.to(Phase.OURS), **facts))
     assert isinstance(unsaved[0], Save)
     assert not any(isinstance(a, (Save, plan.KeepFile)) for a in saved)
+
+
+def test_a_delete_during_the_sessions_restore_is_not_undone_by_a_later_save(tmp_path, fake):
+    """DELETE /api/sessions/A reads the table before A's next turn claims the slot and removes
+    A's files while llama-server restores one: the lease must not record A, or the save
+    behind writes the deleted conversation back and A's next turn is a hit on it."""
+    switch = make_switch(tmp_path)
+    turn(switch, A, fake, 40)
+    turn(switch, B, fake, 30)                   # A saved at the swap; the slot holds B
+    reached, go = threading.Event(), threading.Event()
+    delete = switch.store.delete
+
+    def delete_once_the_restore_began(stem):
+        reached.set()
+        assert go.wait(5)
+        return delete(stem)
+    switch.store.delete = delete_once_the_restore_began
+    forgot = []
+    deleting = threading.Thread(target=lambda: forgot.append(switch.forget("A")))
+    deleting.start()
+    assert reached.wait(5), "the deletion found no slot holding A and deletes its files"
+    restore = fake._slot_action
+
+    def restore_while_deleted(slot, action, filename):
+        answer = restore(slot, action, filename)  # llama-server has read the file
+        if action == "restore":
+            go.set()
+            deleting.join(5)
+        return answer
+    fake._slot_action = restore_while_deleted
+    lease = turn(switch, A, fake, 50)
+    assert lease.cache == RESTORED and forgot == [True]
+    assert not list(tmp_path.glob(f"{A.stem}*"))
+    switch.save_settled(0)
+    assert not list(tmp_path.glob(f"{A.stem}*")), "the deleted conversation was saved back"
+    assert switch.acquire(A).cache != plan.HIT, "the deleted conversation was served again"

@@ -75,6 +75,8 @@ class RestoreCheckSchema(ma.Schema):
 
 class SlotSchema(ma.Schema):
     id = ma.fields.Integer(metadata={"description": "llama-server's slot id (id_slot)"})
+    model = ma.fields.String(allow_none=True, metadata={
+        "description": "Behind llama-server's router: the model whose slot it is"})
     session_id = ma.fields.String(metadata={"description": "The session the slot holds"})
     persistent = ma.fields.Boolean(metadata={
         "description": "False for side requests and 'default': nothing to save"})
@@ -122,6 +124,11 @@ def _switch():
     return current_app.extensions["kvproxy.switch"]
 
 
+def _models():
+    """Every model's switch (one, unless llama-server is a router)."""
+    return current_app.extensions["kvproxy.models"]
+
+
 def _restore_check_status() -> dict:
     """Never waits for the slot, nor for llama-server: reads one small file."""
     return _switch().restore_check.status(None)
@@ -162,8 +169,9 @@ class Sessions(MethodView):
 
 
 def _slot_arg(slot: int | None) -> int | None:
-    if slot is not None and slot not in _switch().slot_ids():
-        abort(400, message=f"no slot {slot}: kvproxy drives slots {_switch().slot_ids()}")
+    driven = sorted({one for switch in _models().serving() for one in switch.slot_ids()})
+    if slot is not None and slot not in driven:
+        abort(400, message=f"no slot {slot}: kvproxy drives slots {driven}")
     return slot
 
 
@@ -173,9 +181,8 @@ class Current(MethodView):
     def get(self, args):
         """The session a slot holds now (``?slot=N``; default: the slot used last), the status
         of its slot file, and every slot with its session in ``slots``."""
-        switch = _switch()
-        store = switch.store
-        slots = switch.slot_listing()
+        store = _switch().store
+        slots = _models().slot_listing()
         slot = _slot_arg(args.get("slot"))
         if slot is None and slots:
             slot = max(slots, key=lambda row: (row["last_used_at"] or row["since"] or "",
@@ -198,9 +205,12 @@ class Clear(MethodView):
     @blueprint.response(200, ClearedSchema)
     def post(self, args):
         """Save the session a slot holds, erase the slot and make 'default' its session:
-        ``?slot=N`` for one slot, every slot by default (each waits like a request)."""
+        ``?slot=N`` for one slot, every slot by default (each waits like a request); behind a
+        router, on every model it has loaded."""
         slot = _slot_arg(args.get("slot"))
-        cleared = _switch().clear(slot)
+        cleared = [one for switch in _models().serving(loaded_only=True)
+                   if slot is None or slot in switch.slot_ids()
+                   for one in switch.clear(slot)]
         return {"session_id": "default", "cleared": True, "slots": cleared}
 
 
@@ -215,8 +225,9 @@ class RestoreCheckReset(MethodView):
 class OneSession(MethodView):
     @blueprint.response(204)
     def delete(self, session_id: str):
-        """Delete a session's slot file and sidecar; erases the slot if it holds it."""
-        if not _switch().forget(session_id):
+        """Delete a session's slot files and sidecars, of every model; erases every slot that
+        holds it."""
+        if not _models().forget(session_id):
             abort(404, message=f"no saved session {session_id!r}")
 
 
@@ -224,8 +235,9 @@ class Slots(MethodView):
     @slots_blueprint.response(200, SlotSchema(many=True))
     def get(self):
         """Every slot kvproxy drives: the session it holds, its tokens, busy or idle and since
-        when. Read from the state table; never waits for a slot or for llama-server."""
-        return _switch().slot_listing()
+        when (behind a router, every model's). Read from the state tables; never waits for a
+        slot or for llama-server."""
+        return _models().slot_listing()
 
 
 routes.add_rules(blueprint, globals())

@@ -343,8 +343,9 @@ class SlotExecutor:
 
     def _save(self, session_id: str, stem: str, made_by: dict, kind: str,
               system_hash: str | None, slot: int, tokens: int, keep: set[str]) -> dict | None:
-        # Files of sessions other slots hold stay too: they may be saved over, not evicted.
-        protected = {stem, *keep, *(s.stem for s in self.table.read().values())}
+        # Files of sessions other slots (of any model) hold stay too: they may be saved over,
+        # not evicted.
+        protected = {stem, *keep, *self.store.held_stems()}
         estimate = self.budget.make_room(stem, tokens, made_by, protected)
         started = time.monotonic()
 
@@ -424,9 +425,9 @@ class SlotExecutor:
         metrics.observe_swap("restore", time.monotonic() - started, answer.get("n_read", 0))
         return int(answer.get("n_restored") or 0), float(restore_ms)
 
-    def erase(self, slot: int) -> None:
+    def erase(self, slot: int, autoload: bool = True) -> None:
         started = time.monotonic()
-        self.client.slot_action(slot, "erase")
+        self.client.slot_action(slot, "erase", autoload=autoload)
         metrics.observe_swap("erase", time.monotonic() - started, 0)
 
     def make_base(self, slot: int, system_hash: str, made_by: dict,

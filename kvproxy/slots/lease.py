@@ -27,6 +27,7 @@ class Lease:
     leased_at: float = 0.0             # monotonic time the slot was taken
     prefill: Prefill | None = None     # a base snapshot's prefill, computed by this swap
     restore_ms: float | None = None    # llama-server's time for this swap's restore
+    began: int = 0                     # the generation it began in (slots.deletions)
     _release: Any = field(default=None, repr=False)
 
     def figures(self, timings: dict) -> dict:

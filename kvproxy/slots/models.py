@@ -21,6 +21,7 @@ from typing import Callable
 
 from kvproxy.errors import ClientError
 from kvproxy.sessions.identity import model_tag
+from kvproxy.slots.state import SlotTable
 from kvproxy.slots.switch import SlotSwitch
 from kvproxy.storage.store import SessionStore
 from kvproxy.upstream.llama import LlamaClient, UpstreamError, UpstreamUnavailable
@@ -139,7 +140,65 @@ class ModelSwitches:
                 client = self.client.for_model(model)
                 store = SessionStore(self.default.store.root, model=model_tag(model))
                 switch = self._switches[model] = self._make_switch(client, store)
+                self._share(switch)
             return switch
+
+    def _share(self, switch: SlotSwitch) -> None:
+        """What every model's switch keeps in common with the default one: deletions (a
+        session's spans every model), the recent activity and dropped saves (the status page,
+        /health and the command line read the default switch's)."""
+        switch.deletions = self.default.deletions
+        switch.activity = self.default.activity
+        switch.budget.dropped = self.default.budget.dropped
+
+    def serving(self, loaded_only: bool = False) -> list[SlotSwitch]:
+        """The switches whose slots kvproxy drives: behind a router one per model asked for
+        since start (``loaded_only``: of those the router has loaded now), else the one."""
+        if not self.is_router():
+            return [self.default]
+        with self._lock:
+            switches = dict(self._switches)
+        if loaded_only:
+            loaded = {e["id"] for e in self.entries(fresh=True) if is_loaded(e)}
+            switches = {m: s for m, s in switches.items() if m in loaded}
+        return list(switches.values())
+
+    def slot_listing(self) -> list[dict]:
+        """Every slot kvproxy drives (``SlotSwitch.slot_listing``), behind a router each
+        naming its model. Asks llama-server nothing once it is known."""
+        if not self.is_router():
+            return self.default.slot_listing()
+        return [{**row, "model": switch.client.model}
+                for switch in self.serving() for row in switch.slot_listing()]
+
+    def forget(self, session_id: str) -> bool:
+        """Delete a session on every model: behind a router, each model's slots holding it are
+        emptied (erased where the router has the model loaded), then its files of every model
+        go. False when it had no file."""
+        if not self.is_router():
+            return self.default.forget(session_id)
+        try:
+            entries = self.entries(fresh=True)
+        except (UpstreamError, UpstreamUnavailable):  # its files still go, as with one model
+            with self._lock:
+                entries = [{"id": model} for model in self._switches]  # none known loaded
+        with self.default.deletions.deleting(session_id):
+            for entry in entries:
+                switch = self._holding(entry["id"], session_id)
+                if switch is not None:
+                    switch.empty_slots_of(session_id, loaded=is_loaded(entry))
+            return self.default.delete_files(session_id)
+
+    def _holding(self, model: str, session_id: str) -> SlotSwitch | None:
+        """The switch of ``model`` when it has one, or when its state table names the session
+        (a model kvproxy has not used since it started may still hold it in a slot)."""
+        with self._lock:
+            switch = self._switches.get(model)
+        if switch is None:
+            table = SlotTable(SessionStore(self.default.store.root, model=model_tag(model)))
+            if any(state.session_id == session_id for state in table.read().values()):
+                switch = self.switch_for(model)
+        return switch
 
     def save_others(self, model: str) -> None:
         """Save what the other models' slots hold and their files lack: loading ``model`` may

@@ -19,6 +19,7 @@ from kvproxy.ops import metrics
 from kvproxy.ops.activity import RecentActivity
 from kvproxy.sessions.identity import DEFAULT_SESSION, MODEL_SEPARATOR, Session, file_stem
 from kvproxy.slots import plan, restore_probe
+from kvproxy.slots.deletions import Deletions
 from kvproxy.slots.fingerprints import Fingerprints
 from kvproxy.slots.lease import Lease
 from kvproxy.slots.executor import (MIN_BASE_TOKENS, HeldElsewhere, PromptView,  # noqa: F401
@@ -78,6 +79,8 @@ class SlotSwitch:
         self.fingerprints = Fingerprints(client, lambda: self.kv_format)
         # New turns saved in the background once a slot has settled (see save_behind).
         self.saver = SaveBehind(self.save_settled, save_behind_delay) if save_behind else None
+        # Sessions deleted while leases ran (shared by every model's switch: ModelSwitches).
+        self.deletions = Deletions()
 
     # -- the slots ---------------------------------------------------------
     def slot_ids(self) -> list[int]:
@@ -93,7 +96,8 @@ class SlotSwitch:
 
     def _llama_slot_count(self) -> int | None:
         try:
-            total = self.client.props().get("total_slots")
+            # autoload=False: behind a router, a listing must never load the model
+            total = self.client.props(autoload=False).get("total_slots")
             if isinstance(total, int) and total > 0:
                 return total
             slots = self.client.slots()
@@ -118,6 +122,7 @@ class SlotSwitch:
         """
         deadline = time.monotonic() + self.lock_timeout
         waited_before = False
+        began = self.deletions.now()
         while True:
             slot, waited, placed = self.pool.take(
                 self.slot_ids(), session.key, not session.persistent,
@@ -150,6 +155,7 @@ class SlotSwitch:
                                       "see kvproxy's log") from exc
             self._busy_since[slot] = now_iso()
             lease.leased_at = taken_at
+            lease.began = began
             # kept a few seconds for the conversation's next turn (pool.give_back)
             keep_for = lease.session.key if lease.session.persistent else None
             lease._release = lambda: self.pool.give_back(slot, keep_for)
@@ -419,38 +425,50 @@ class SlotSwitch:
             self.pool.give_back(slot)
 
     def forget(self, session_id: str) -> bool:
-        """Delete a session's (or base snapshot's) files; erase every slot that holds it.
+        """Delete a session's (or base snapshot's) files; erase every slot that holds it. No
+        request that began before it may record the session again (``Deletions``)."""
+        with self.deletions.deleting(session_id):
+            self.empty_slots_of(session_id)
+            return self.delete_files(session_id)
 
-        With llama-server down the files still go: the slot is then marked
-        unknown, so what it holds is never saved or trusted again.
-        """
+    def empty_slots_of(self, session_id: str, loaded: bool = True) -> None:
+        """Erase every slot that holds ``session_id`` and record it empty, waiting for each like
+        a request. With llama-server down (or, behind a router, the model not loaded:
+        ``loaded=False`` asks nothing that would load it) the slot is no longer trusted
+        instead, so what it holds is never saved or served again."""
+        holders = [slot for slot, state in self.table.read().items()
+                   if state.session_id == session_id]
+        for slot in holders:
+            if loaded and slot not in self.slot_ids():
+                continue
+            self.pool.lock(slot).acquire()
+            try:
+                state = self.table.get(slot)
+                if state.session_id != session_id:
+                    continue
+                if not loaded:
+                    self.executor.uncertain.add(slot)
+                else:
+                    try:
+                        self.executor.erase(slot, autoload=False)
+                    except (UpstreamError, UpstreamUnavailable) as exc:
+                        log.warning("could not erase slot %d of deleted session %s: %s",
+                                    slot, session_id, exc)
+                        self.executor.uncertain.add(slot)
+                self.table.put(slot, emptied(state, slot in self.executor.uncertain))
+            finally:
+                self.pool.give_back(slot)
+
+    def delete_files(self, session_id: str) -> bool:
+        """Delete every file of ``session_id``, of any model; False when there was none. Called
+        once its slots are emptied, so a save they made meanwhile goes too."""
         stems = {s["stem"] for s in self.store.sidecars() if s.get("session_id") == session_id}
         # a file left without its sidecar, of any model
         stems |= {path.name[:-len(".bin")] for path in self.store.root.glob(
             f"{glob.escape(file_stem(session_id))}{MODEL_SEPARATOR}*.bin")}
         stems.add(file_stem(session_id))
-        holders = [slot for slot, state in self.table.read().items()
-                   if state.session_id == session_id and slot in self.slot_ids()]
-        taken = []
-        try:
-            for slot in holders:
-                self.pool.lock(slot).acquire()
-                taken.append(slot)
-                state = self.table.get(slot)
-                if state.session_id != session_id:
-                    continue
-                try:
-                    self.executor.erase(slot)
-                except (UpstreamError, UpstreamUnavailable) as exc:
-                    log.warning("could not erase slot %d of deleted session %s: %s",
-                                slot, session_id, exc)
-                    self.executor.uncertain.add(slot)
-                self.table.put(slot, emptied(state, slot in self.executor.uncertain))
-            removed = [self.store.delete(stem) for stem in stems]
-            return any(removed)
-        finally:
-            for slot in reversed(taken):
-                self.pool.give_back(slot)
+        removed = [self.store.delete(stem) for stem in stems]
+        return any(removed)
 
     # -- after the request -------------------------------------------------
     def _after_request(self, lease: Lease, timings: dict) -> None:
@@ -464,6 +482,13 @@ class SlotSwitch:
         metrics.TOKENS.labels("computed").inc(int(timings.get("prompt_n") or 0))
         self.activity.record(lease, figures)
         slot = lease.slot
+        if session.persistent and self.deletions.undone(session.id, lease.began):
+            # Deleted while this lease ran (its swap may have restored the old file): the
+            # slot must neither serve it as a hit nor save it back.
+            log.info("session %s was deleted during its request: slot %d keeps nothing of it",
+                     session.id, slot)
+            self.executor.mark_unproven(slot)
+            return
         self.executor.witness[slot] = self.client.witness()
         # What the slot now holds: compared with /slots before the next swap.
         held = plan.held_by_timings(timings) if timings else self._held_after_cut(slot)

@@ -379,6 +379,16 @@ class SessionStore:
                 continue
         return found
 
+    def held_stems(self) -> set[str]:
+        """The files every state table in the folder names (each model's, behind a router): a
+        slot may be saved over its file, so no model's disk budget may evict it."""
+        held = set()
+        for path in self.root.glob(STATE_FILE.replace(".json", "*.json")):
+            for entry in migrate_state(read_json(path), self.legacy_slot)["slots"].values():
+                if isinstance(entry.get("active_stem"), str):
+                    held.add(entry["active_stem"])
+        return held
+
     def read_state(self, slot: int | None = None) -> dict:
         """The entry of one slot (default: the first slot kvproxy drives); {} when none."""
         return dict(self.read_table().get(self.legacy_slot if slot is None else slot) or {})

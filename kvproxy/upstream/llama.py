@@ -218,11 +218,16 @@ class LlamaClient:
             "stream": False}), slot_call=True)
 
     # -- slot actions ------------------------------------------------------
-    def slot_action(self, slot_id: int, action: str, filename: str | None = None) -> dict:
-        """save, restore or erase; returns llama-server's answer (with timings)."""
+    def slot_action(self, slot_id: int, action: str, filename: str | None = None,
+                    autoload: bool = True) -> dict:
+        """save, restore or erase; returns llama-server's answer (with timings).
+        ``autoload=False``: a router answers 400 for a model it has not loaded rather than
+        load it (erasing a slot the unload emptied anyway)."""
         body = {"filename": filename} if filename else {}
-        return self._json("POST", f"/slots/{slot_id}?action={action}", json=self._named(body),
-                          read_timeout=self.slot_action_timeout, slot_call=True)
+        query = "" if autoload or not self.model else "&autoload=false"
+        return self._json("POST", f"/slots/{slot_id}?action={action}{query}",
+                          json=self._named(body), read_timeout=self.slot_action_timeout,
+                          slot_call=True)
 
     # -- generation --------------------------------------------------------
     # Callers hold the slot: these calls count as slot calls for restart detection.
