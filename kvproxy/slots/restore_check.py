@@ -211,7 +211,8 @@ def verify_restore(check: RestoreCheck, store, lease, cache_n: int, key: str) ->
         return verdict
     log.warning("restore of session %s not honoured: %d tokens restored, %d reused (%d in a row)",
                 lease.session.id, lease.restored_tokens, cache_n, misses)
-    store.update_sidecar(lease.restored_stem, {}, restore_not_honoured_at=now_iso())
+    store.update_sidecar(lease.restored_stem, {}, of_save=lease.restored_saved_at,
+                         restore_not_honoured_at=now_iso())
     if switched:
         log.error("restoring switched off for this model for %g minutes after %d unhonoured "
                   "restores (%s); POST /api/sessions/restore-check/reset turns it back on",

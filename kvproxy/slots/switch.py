@@ -361,7 +361,8 @@ class SlotSwitch:
                  "id_slot=%d placed=%s", session.id, session.source, filled.cache, view,
                  filled.tokens, swap_ms, slot, placed or "admin")
         return Lease(session, filled.cache, filled.tokens, swap_ms, filled.stem, made_by,
-                     prompt, slot=slot, prefill=filled.prefill, restore_ms=filled.restore_ms)
+                     prompt, slot=slot, prefill=filled.prefill, restore_ms=filled.restore_ms,
+                     restored_saved_at=filled.saved_at)
 
     def swap_held(self, slot: int, session: Session, placed: str) -> Lease:
         """Swap ``slot``, which the caller holds and frees itself (side tasks), to ``session``;
@@ -510,7 +511,8 @@ class SlotSwitch:
         restored = lease.restore_note()
         own = bool(restored) and lease.restored_stem == session.stem
         if restored and not own:
-            self.store.update_sidecar(lease.restored_stem, {}, count="restores", **restored)
+            self.store.update_sidecar(lease.restored_stem, {}, count="restores",
+                                      of_save=lease.restored_saved_at, **restored)
         if done.count_hit:
             self.store.update_sidecar(session.stem, {"session_id": session.id, "kind": "session"},
                                       count=("hits", "restores") if own else "hits",

@@ -142,6 +142,20 @@ def install(store: SessionStore, stem: str, sidecar: dict) -> None:
         raise SaveFailed(f"cannot write the sidecar of {stem}.bin: {exc.strerror or exc}; "
                            f"the previous file is kept") from exc
     try:
+        with store.stem_lock(stem):   # nobody reads or rewrites the pair half put in place
+            rename_in(store, stem, tmp, tmp_sidecar, sidecar)
+    except SaveFailed:
+        raise
+    except StorageError as exc:       # the lock: nothing renamed yet
+        discard(tmp)
+        discard(tmp_sidecar)
+        raise SaveFailed(f"{exc}; the previous file of {stem}.bin is kept") from exc
+
+
+def rename_in(store: SessionStore, stem: str, tmp: Path, tmp_sidecar: Path,
+              sidecar: dict) -> None:
+    """``install``'s renames: the file, its companions, then its sidecar."""
+    try:
         os.replace(tmp, store.bin_path(stem))
     except OSError as exc:
         discard(tmp)
@@ -194,11 +208,33 @@ def quarantine(store: SessionStore, stem: str, reason: str) -> Path:
     return target
 
 
+def file_check(store: SessionStore, stem: str) -> tuple[dict | None, str | None]:
+    """``<stem>.bin``'s sidecar, and why the file does not match it (None: it does, or no
+    sidecar says what made it). A mismatch is read again under the stem's lock: while a
+    save is put in place (its file renamed, its sidecar not yet) a good file looks bad."""
+    def read() -> tuple[dict | None, str | None]:
+        sidecar = store.read_sidecar(stem)
+        if not (sidecar and sidecar.get("saved_at")):
+            return sidecar, None
+        return sidecar, size_problem(store, stem, sidecar)
+    sidecar, problem = read()
+    if problem is None:
+        return sidecar, None
+    with store.stem_lock(stem):
+        return read()
+
+
 def set_aside(store: SessionStore, stem: str, reason: str) -> str:
-    """Quarantine a file that will not be restored; says where it went, for the log."""
+    """Quarantine a file that will not be restored; says where it went, for the log. Only a
+    mismatch still there under the stem's lock: the file may have been replaced by a good
+    save since it was judged, and that must not go."""
     try:
-        quarantine(store, stem, reason)
-    except OSError as exc:
+        with store.stem_lock(stem):
+            sidecar, problem = file_check(store, stem)
+            if sidecar and sidecar.get("saved_at") and problem is None:
+                return "kept: it matches its sidecar when read again (a save was put in place)"
+            quarantine(store, stem, reason)
+    except (OSError, StorageError) as exc:
         return f"it could not be moved aside ({exc})"
     return f"moved to {QUARANTINE_DIR}/"
 
