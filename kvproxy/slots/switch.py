@@ -235,13 +235,14 @@ class SlotSwitch:
             state = self.table.get(slot)
             if not plan.worth_saving(state):
                 return False
-            made_by = self.current_made_by()
-            if self.restore_check.restoring_off(fingerprint_key(made_by)):
-                return False
+            # /slots first: behind a router, /props loads an unloaded model again
             view = self.slot_view(state, slot)
             if view != OURS:
                 log.info("not saving session %s in the background: slot %d is %s",
                          state.session_id, slot, view)
+                return False
+            made_by = self.current_made_by()
+            if self.restore_check.restoring_off(fingerprint_key(made_by)):
                 return False
             started = time.monotonic()
             saved = self.save_held(slot, state, made_by) is not None
