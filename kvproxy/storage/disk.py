@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 import filelock
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from kvproxy.ops import metrics
@@ -52,6 +52,10 @@ TROUBLE_SECONDS = 600
 # slot file at a time anyway, in its main loop).
 SAVE_WAIT_SECONDS = 300
 # A temporary sidecar as ``write_json_beside`` names it: .<stem>.json.<random>.tmp
+# A sidecar of a session that has no file yet (its turns not saved: before its first swap or
+# save behind, with restoring off, after dropped saves) only counts its requests and keeps
+# its trail for matching; the start-up sweep deletes it once the session is this long unused.
+IDLE_SIDECAR_DAYS = 30
 TEMP_SIDECAR = re.compile(r"^\.(?P<stem>.+)\.json\.[^.]+\.tmp$")
 
 
@@ -321,8 +325,8 @@ def sweep(store: SessionStore) -> list[str]:
     deleted, which rolls the save back to the old pair; a ``.bin`` without a
     sidecar saying what made it, or whose size (or a recorded companion's) does
     not match, goes to quarantine with its companions; a companion whose slot
-    file is gone is deleted; a sidecar whose slot file is gone is deleted (a
-    sidecar that never had a file only counts a session's requests, and stays).
+    file is gone is deleted; a sidecar whose slot file is gone is deleted (one
+    that never had a file goes when ``fileless_sidecar_stale`` says so).
     """
     done = []
     for stem, candidates in sorted(temp_sidecars(store).items()):
@@ -351,10 +355,30 @@ def sweep(store: SessionStore) -> list[str]:
         done.append(f"deleted {path.name}: its slot file {slot_file_of(path.name)} is gone")
     for sidecar in store.sidecars():
         stem = sidecar["stem"]
-        if sidecar.get("saved_at") and not store.has_bin(stem):
+        if store.has_bin(stem):
+            continue
+        why = "its slot file is gone" if sidecar.get("saved_at") \
+            else fileless_sidecar_stale(sidecar, datetime.now(timezone.utc))
+        if why:
             store.sidecar_path(stem).unlink(missing_ok=True)
-            done.append(f"deleted {stem}.json: its slot file is gone")
+            done.append(f"deleted {stem}.json: {why}")
     return done
+
+
+def fileless_sidecar_stale(sidecar: dict, now: datetime) -> str | None:
+    """Why a sidecar that records no save (and has no file) is deleted, or None: it keeps a
+    session's request counts and trail while the session is in use. One that counts no
+    request was written about a file since gone (a refusal, a restore note), and goes."""
+    if not (sidecar.get("hits") or sidecar.get("last_used_at")):
+        return "it records neither a save nor a request"
+    last = sidecar.get("last_used_at") or sidecar.get("created_at")
+    try:
+        idle = now - datetime.fromisoformat(last)
+    except (TypeError, ValueError):
+        return None   # cannot tell: kept
+    if idle > timedelta(days=IDLE_SIDECAR_DAYS):
+        return f"its session has no file and was last used {idle.days} days ago"
+    return None
 
 
 # -- the disk budget ---------------------------------------------------------
