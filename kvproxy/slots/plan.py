@@ -347,11 +347,25 @@ def held_by_timings(timings: dict) -> int:
 
 # -- the rest ----------------------------------------------------------------------------
 KV_FORMAT = "kv_format"  # the fingerprint's KV cache layout, from the start-up probe's file
+LORA = "lora"            # the fingerprint's LoRA adapters applied, when any is
 
 
-def fingerprint(props: dict, models: dict, kv_format: str | None = None) -> dict:
+def applied_adapters(adapters: object) -> list[list] | None:
+    """The LoRA adapters llama-server applies to every request (``GET /lora-adapters``), as
+    ``[path, scale]`` in its order, those of scale 0 left out (loaded, not applied: they
+    change no cache); None when none is. A cache computed under adapters is another model's."""
+    applied = [[a.get("path"), a.get("scale")] for a in adapters if isinstance(a, dict)
+               and a.get("scale")] if isinstance(adapters, list) else []
+    return applied or None
+
+
+def fingerprint(props: dict, models: dict, kv_format: str | None = None,
+                lora: object = None) -> dict:
     """What made a slot file: a file from anything else must not be restored. ``kv_format``
-    (cache types, V layout; ``slot_file.kv_format``) joins it once the start-up probe read it."""
+    (cache types, V layout; ``slot_file.kv_format``) joins it once the start-up probe read it;
+    ``lora`` (``GET /lora-adapters``) only when an adapter is applied, so files saved without
+    one keep their fingerprint."""
+    adapters = applied_adapters(lora)
     meta = {}
     for entry in models.get("data") or []:
         meta = entry.get("meta") or {}
@@ -364,6 +378,7 @@ def fingerprint(props: dict, models: dict, kv_format: str | None = None) -> dict
         "n_ctx": settings.get("n_ctx") or props.get("n_ctx"),
         "build_info": props.get("build_info"),
         **({KV_FORMAT: kv_format} if kv_format else {}),
+        **({LORA: adapters} if adapters else {}),
     }
 
 

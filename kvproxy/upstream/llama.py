@@ -208,6 +208,16 @@ class LlamaClient:
                                            if isinstance(e, dict) and e.get("id") == self.model]}
         return listing
 
+    def lora_adapters(self) -> list:
+        """``/lora-adapters``: every adapter loaded (``id``, ``path``, ``scale``: 0 when not
+        applied). A llama-server without the route (404) has none."""
+        try:
+            return self._json("GET", "/lora-adapters", read_timeout=30, params=self._query())
+        except UpstreamError as exc:
+            if exc.status == 404:
+                return []
+            raise
+
     def slots(self) -> list[dict]:
         return self._json("GET", "/slots", read_timeout=30, params=self._query(autoload=False))
 
