@@ -5,7 +5,9 @@ plus ``<stem>.json`` (written here, atomically: temp file, then rename).
 llama-server may write companion files beside a slot file, ``<stem>.bin.<suffix>``
 (newer llama-server saves context checkpoints as ``<stem>.bin.ckpt``): they belong
 to the slot file, are counted in its size on disk, and are moved, quarantined,
-evicted and deleted with it (``companions``).
+evicted and deleted with it (``companions``). A save's renames and each sidecar
+update of one stem hold that stem's lock (``stem_lock``), so no reader sees, and no
+update writes back, a file and a sidecar of two different saves.
 A small state file holds a table with one entry per slot: which session the
 slot holds, how many tokens, when it was last used. A restarted proxy, or a
 second worker, reads it to know what to save before the next swap. Each entry
