@@ -52,11 +52,11 @@ TROUBLE_SECONDS = 600
 # slot file at a time anyway, in its main loop).
 SAVE_WAIT_SECONDS = 300
 # A temporary sidecar as ``write_json_beside`` names it: .<stem>.json.<random>.tmp
+TEMP_SIDECAR = re.compile(r"^\.(?P<stem>.+)\.json\.[^.]+\.tmp$")
 # A sidecar of a session that has no file yet (its turns not saved: before its first swap or
 # save behind, with restoring off, after dropped saves) only counts its requests and keeps
 # its trail for matching; the start-up sweep deletes it once the session is this long unused.
 IDLE_SIDECAR_DAYS = 30
-TEMP_SIDECAR = re.compile(r"^\.(?P<stem>.+)\.json\.[^.]+\.tmp$")
 
 
 class SaveFailed(StorageError):
