@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 from kvproxy.slots.plan import fingerprint, model_of
-from kvproxy.upstream.llama import LlamaClient
+from kvproxy.upstream.llama import LlamaClient, UpstreamError, UpstreamUnavailable
 
 # Longest wait for the fingerprint asked beside a swap: the client's own calls are bounded
 # too (30 s read timeout), this only keeps a stuck thread from holding the slot longer.
@@ -74,9 +74,17 @@ class Fingerprints:
 
     def _ask(self) -> tuple[Any, dict, dict, list]:
         witness = self.client.witness()
-        facts = (witness, self.client.props(), self.client.models(), self.client.lora_adapters())
+        facts = (witness, self.client.props(), self.client.models(), self._adapters())
         self._facts = facts
         return facts
+
+    def _adapters(self) -> list:
+        """The LoRA adapters; a llama-server that does not list them (an older build without
+        the route, a stub) is taken to apply none, as before they were asked."""
+        try:
+            return self.client.lora_adapters()
+        except (UpstreamError, UpstreamUnavailable):
+            return []
 
     def _of(self, facts: tuple[Any, dict, dict, list]) -> dict:
         return fingerprint(facts[1], facts[2], self.kv_format(), facts[3])

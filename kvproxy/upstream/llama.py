@@ -210,13 +210,8 @@ class LlamaClient:
 
     def lora_adapters(self) -> list:
         """``/lora-adapters``: every adapter loaded (``id``, ``path``, ``scale``: 0 when not
-        applied). A llama-server without the route (404) has none."""
-        try:
-            return self._json("GET", "/lora-adapters", read_timeout=30, params=self._query())
-        except UpstreamError as exc:
-            if exc.status == 404:
-                return []
-            raise
+        applied)."""
+        return self._json("GET", "/lora-adapters", read_timeout=30, params=self._query())
 
     def slots(self) -> list[dict]:
         return self._json("GET", "/slots", read_timeout=30, params=self._query(autoload=False))
