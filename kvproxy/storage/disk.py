@@ -366,11 +366,11 @@ def sweep(store: SessionStore) -> list[str]:
 
 
 def fileless_sidecar_stale(sidecar: dict, now: datetime) -> str | None:
-    """Why a sidecar that records no save (and has no file) is deleted, or None: it keeps a
-    session's request counts and trail while the session is in use. One that counts no
-    request was written about a file since gone (a refusal, a restore note), and goes."""
-    if not (sidecar.get("hits") or sidecar.get("last_used_at")):
-        return "it records neither a save nor a request"
+    """Why a sidecar that records no save (and has no file) is deleted, or None: a session's
+    keeps its request counts and trail while the session is in use. One that names no
+    session was written about a file since gone (a refusal, a restore note), and goes."""
+    if not (sidecar.get("session_id") or sidecar.get("hits") or sidecar.get("last_used_at")):
+        return "it records neither a save nor a session"
     last = sidecar.get("last_used_at") or sidecar.get("created_at")
     try:
         idle = now - datetime.fromisoformat(last)
