@@ -41,6 +41,7 @@ class FakeLlama:
         self.props["total_slots"] = n_slots
         self.props["default_generation_settings"]["n_ctx"] = n_ctx
         self.models = copy.deepcopy(MODELS)
+        self.lora: list[dict] = []          # GET /lora-adapters: id, path, scale
         self.fail_restore = False
         self.fail_save = False
         self.slot_timings = True   # llama-server reports save_ms / restore_ms
@@ -66,6 +67,8 @@ class FakeLlama:
                           callback=lambda r: self._json(self.models))
         mock.add_callback(responses.GET, f"{UPSTREAM}/slots", callback=self._slots)
         mock.add(responses.GET, f"{UPSTREAM}/health", json={"status": "ok"})
+        mock.add_callback(responses.GET, f"{UPSTREAM}/lora-adapters",
+                          callback=lambda r: self._json(self.lora))
         mock.add_callback(responses.POST, f"{UPSTREAM}/v1/chat/completions", callback=self._chat)
         mock.add_callback(responses.POST, f"{UPSTREAM}/v1/completions", callback=self._text)
         # Only kvproxy's own prefill (n_predict 0): tests register other /completion answers.

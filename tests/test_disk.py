@@ -492,3 +492,26 @@ def test_estimate_uses_bytes_per_token_of_earlier_saves(tmp_path, fake):
     turn(switch, B, fake, tokens=46)
     assert switch.budget.estimate(A.stem, 192, None) == 200
     assert switch.budget.estimate("someone-else", 480, switch.current_made_by()) == 500
+
+
+def test_sweep_deletes_a_sidecar_without_a_file_once_it_serves_no_session(tmp_path):
+    """A sidecar without a save keeps a session's counts and trail while the session is used;
+    one that names no session (written about a file since gone) or whose session has been
+    idle past the bound is deleted, not kept forever."""
+    from datetime import datetime, timedelta, timezone
+    store = SessionStore(tmp_path)
+    now = datetime.now(timezone.utc)
+
+    def sidecar(stem, **fields):
+        store_module.write_json_atomic(store.sidecar_path(stem), {
+            "format": SIDECAR_FORMAT, "stem": stem, "created_at": now.isoformat(), **fields})
+    sidecar("refused-gone", hits=0, refused="it has 3 bytes, its sidecar says 9")
+    sidecar("in-use", session_id="u", hits=3, last_used_at=(now - timedelta(days=2)).isoformat())
+    sidecar("idle", session_id="i", hits=3, last_used_at=(now - timedelta(days=disk.IDLE_SIDECAR_DAYS + 1))
+            .isoformat())
+    done = disk.sweep(store)
+    assert {p.stem for p in tmp_path.glob("*.json")} == {"in-use"}
+    assert sorted(done) == [
+        f"deleted idle.json: its session has no file and was last used "
+        f"{disk.IDLE_SIDECAR_DAYS + 1} days ago",
+        "deleted refused-gone.json: it records neither a save nor a session"]

@@ -1,5 +1,6 @@
 """llama-server's fingerprint during a swap: reused while proven, else asked beside the swap
 and the swap redone when it changed (stubbed llama-server)."""
+import json
 import threading
 
 from kvproxy.slots import plan
@@ -114,3 +115,56 @@ def test_a_process_gone_before_the_answer_leaves_the_slot_untrusted(tmp_path, fa
     assert lease.cache == RESTORED and fake.actions[0] == ("restore", f"{A.stem}.bin"), \
         "a claimed slot is never trusted: the file is restored again"
     restarted.release(lease)
+
+
+ADAPTER = {"id": 0, "path": "/models/style-lora.gguf", "scale": 1.0, "task_name": "",
+           "prompt_prefix": ""}
+
+
+def test_the_fingerprint_names_the_lora_adapters_applied_and_only_those():
+    """As GET /lora-adapters lists them (id, path, scale): one of scale 0 is loaded but
+    applied to nothing, and a server without adapters keeps the fingerprint it had."""
+    props, models = {"model_path": "m.gguf"}, {"data": []}
+    bare = plan.fingerprint(props, models)
+    assert plan.fingerprint(props, models, None, []) == bare
+    assert plan.fingerprint(props, models, None, [{**ADAPTER, "scale": 0.0}]) == bare
+    applied = plan.fingerprint(props, models, None, [ADAPTER])
+    assert applied[plan.LORA] == [["/models/style-lora.gguf", 1.0]]
+    halved = plan.fingerprint(props, models, None, [{**ADAPTER, "scale": 0.5}])
+    assert not plan.same_maker(applied, bare) and not plan.same_maker(applied, halved)
+
+
+def test_a_file_saved_under_a_lora_adapter_is_not_restored_under_another_set(tmp_path, fake):
+    switch = make_switch(tmp_path)
+    fake.lora = [ADAPTER]
+    settled_turn(switch, A, fake, 40)
+    turn(switch, B, fake, 30)
+    assert switch.store.read_sidecar(A.stem)["made_by"][plan.LORA] == [[ADAPTER["path"], 1.0]]
+    fake.lora = [{**ADAPTER, "scale": 0.0}]    # the adapter switched off
+    switch.fingerprints.forget()
+    lease = turn(switch, A, fake, 40)
+    assert lease.cache == MISS and ("restore", f"{A.stem}.bin") not in fake.actions[-3:]
+
+
+def test_setting_the_adapters_through_kvproxy_asks_the_fingerprint_again(tmp_path, fake):
+    """``POST /lora-adapters`` changes llama-server without a restart, so the open connection
+    that vouches for its fingerprint proves nothing about the adapters."""
+    import responses
+
+    from kvproxy import create_app
+    from tests.fake_llama import UPSTREAM
+
+    def set_scales(request):
+        scales = {e["id"]: e["scale"] for e in json.loads(request.body)}
+        fake.lora = [{**a, "scale": scales.get(a["id"], 0.0)} for a in fake.lora]
+        return 200, {"Content-Type": "application/json"}, json.dumps({"success": True})
+    fake.mock.add_callback(responses.POST, f"{UPSTREAM}/lora-adapters", callback=set_scales)
+    fake.lora = [ADAPTER]
+    app = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM})
+    switch = app.extensions["kvproxy.switch"]
+    switch.client.still_open = lambda witness: True   # no restart: the connection vouches
+    before = switch.current_made_by()
+    assert app.test_client().post("/lora-adapters", json=[{"id": 0, "scale": 0.0}]
+                                  ).status_code == 200
+    after = switch.current_made_by()
+    assert plan.LORA in before and plan.LORA not in after

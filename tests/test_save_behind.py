@@ -161,3 +161,17 @@ def test_a_delete_during_the_sessions_restore_is_not_undone_by_a_later_save(tmp_
     switch.save_settled(0)
     assert not list(tmp_path.glob(f"{A.stem}*")), "the deleted conversation was saved back"
     assert switch.acquire(A).cache != plan.HIT, "the deleted conversation was served again"
+
+
+def test_a_slot_emptied_meanwhile_is_seen_before_the_fingerprint_is_asked(tmp_path, fake):
+    """Behind llama-server's router, ``/props`` of an unloaded model loads it again (``/slots``
+    is asked without autoload): a slot whose model was unloaded is seen to hold nothing
+    first, and nothing is loaded to learn that there is nothing to save."""
+    switch = make_switch(tmp_path)
+    turn(switch, A, fake, 40)
+    fake.tokens = 0                          # the router unloaded the model: the slot is gone
+    asked = len(fake.mock.calls)
+    assert switch.save_settled(0) is False
+    urls = [call.request.url for call in list(fake.mock.calls)[asked:]]
+    assert not [url for url in urls if "/props" in url or "/v1/models" in url], urls
+    assert saves_of(fake, A) == []

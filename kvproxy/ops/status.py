@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import shutil
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Callable
 
 import requests
 from flask import Blueprint as FlaskBlueprint, current_app, render_template, request
@@ -131,7 +131,7 @@ def probe_llama(http: requests.Session, base_url: str, kv_format: str | None = N
         return {**view, "status": "unhealthy", "error": str(exc)}
     try:
         props, models = get("/props"), get("/v1/models")
-        made_by = fingerprint(props, models, kv_format)
+        made_by = fingerprint(props, models, kv_format, lora_adapters(get))
         view.update(model=(made_by["model_path"] or "").rsplit("/", 1)[-1] or None,
                     n_ctx=made_by["n_ctx"], build=made_by["build_info"],
                     running_key=fingerprint_key(made_by))
@@ -139,6 +139,14 @@ def probe_llama(http: requests.Session, base_url: str, kv_format: str | None = N
     except (requests.RequestException, RuntimeError, ValueError) as exc:
         view["error"] = f"{exc.__class__.__name__}: {exc}"
     return view
+
+
+def lora_adapters(get: Callable[[str], Any]) -> list:
+    """``/lora-adapters`` for the fingerprint (as the switch's), [] when it cannot say."""
+    try:
+        return get("/lora-adapters")
+    except (requests.RequestException, RuntimeError, ValueError):
+        return []
 
 
 def status_data(include_sessions: bool = True) -> dict:

@@ -89,6 +89,7 @@ class Filled:
     stem: str | None = None
     prefill: Prefill | None = None
     restore_ms: float | None = None   # llama-server's time for the restore, when one was made
+    saved_at: str | None = None       # the save restored, as its sidecar said
 
 
 class SlotExecutor:
@@ -144,9 +145,7 @@ class SlotExecutor:
     def file_facts(self, stem: str) -> FileFacts:
         if not self.store.has_bin(stem):
             return FileFacts(stem)
-        sidecar = self.store.read_sidecar(stem)
-        problem = disk.size_problem(self.store, stem, sidecar) \
-            if sidecar and sidecar.get("saved_at") else None
+        sidecar, problem = disk.file_check(self.store, stem)
         return FileFacts(stem, True, sidecar, problem)
 
     def swap_facts(self, slot: int, state: SlotState, session: Session, view: str,
@@ -198,9 +197,10 @@ class SlotExecutor:
                 self.touch(action.slot)
                 if beside_restore is not None:
                     beside_restore()
-                done = self.restore(action.stem, action.slot, made_by)
+                done = self.restore(action.stem, action.slot, made_by, action.saved_at)
                 if done is not None:
-                    filled = Filled(action.cache, done[0], action.stem, restore_ms=done[1])
+                    filled = Filled(action.cache, done[0], action.stem, restore_ms=done[1],
+                                    saved_at=action.saved_at)
                     restored = True
             elif isinstance(action, Adopt):
                 filled, restored = Filled(RESTORED, action.tokens, action.stem), True
@@ -318,7 +318,8 @@ class SlotExecutor:
         else:
             log.warning("not restoring %s.bin: %s", stem, reason)
         if refused.record:
-            self.store.update_sidecar(stem, {}, refused=reason, refused_at=now_iso())
+            self.store.update_sidecar(stem, {}, of_save=refused.saved_at, refused=reason,
+                                      refused_at=now_iso())
         if refused.metric:
             metrics.RESTORE_MISSES.labels(refused.metric).inc()
 
@@ -403,13 +404,14 @@ class SlotExecutor:
                 table[slot] = state.to(Phase.OURS)
         self.table.change(saved)
 
-    def restore(self, stem: str, slot: int,
-                made_by: dict | None = None) -> tuple[int, float] | None:
+    def restore(self, stem: str, slot: int, made_by: dict | None = None,
+                saved_at: str | None = None) -> tuple[int, float] | None:
         """Restore ``<stem>.bin`` into ``slot``: the tokens restored and llama-server's time for
         it (the lease records both in the sidecar after the answer), None when it failed.
         A file llama-server refuses (400: another KV format, a layer count that differs) is
         remembered in its sidecar with the server that refused it, so it is not offered to
-        that server again and a refused base is made afresh."""
+        that server again and a refused base is made afresh (only the save ``saved_at``:
+        one put in place since was not refused)."""
         started = time.monotonic()
         try:
             answer = self.client.slot_action(slot, "restore", f"{stem}.bin")
@@ -417,8 +419,8 @@ class SlotExecutor:
             log.warning("restore of %s.bin failed: %s", stem, exc.message)
             metrics.RESTORE_MISSES.labels("failed").inc()
             if exc.status == 400 and made_by is not None:
-                self.store.update_sidecar(stem, {}, refused=exc.message, refused_at=now_iso(),
-                                          refused_by=made_by)
+                self.store.update_sidecar(stem, {}, of_save=saved_at, refused=exc.message,
+                                          refused_at=now_iso(), refused_by=made_by)
             return None
         restore_ms = (answer.get("timings") or {}).get("restore_ms",
                                                        (time.monotonic() - started) * 1000)

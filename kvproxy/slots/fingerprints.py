@@ -1,12 +1,14 @@
 """llama-server's fingerprint (what made a slot file), known without holding up a swap.
 
 A file is restored only into the llama-server that made it (``plan.same_maker``), so a swap
-needs the running server's ``/props`` and ``/v1/models``: two round trips, a tenth of a
-small restore. They change only when llama-server restarts. While the connection of the
-last slot call before they were asked is still open, it has not (``LlamaClient.still_open``)
-and they are reused as they are. Otherwise a swap may plan with the last ones while they are
-asked again beside it (``for_swap``): a swap that only restores can be redone if they
-changed, one that would write a file waits for them first (``plan.undoable``).
+needs the running server's ``/props``, ``/v1/models`` and ``/lora-adapters``: small round
+trips (the first two took a tenth of a small restore). They change only when llama-server
+restarts, or when its adapters' scales are set (``POST /lora-adapters``, which kvproxy relays
+and then ``forget``s them). While the connection of the last slot call before they were
+asked is still open, it has not restarted (``LlamaClient.still_open``) and they are reused
+as they are. Otherwise a swap may plan with the last ones while they are asked again beside
+it (``for_swap``): a swap that only restores can be redone if they changed, one that would
+write a file waits for them first (``plan.undoable``).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 from kvproxy.slots.plan import fingerprint, model_of
-from kvproxy.upstream.llama import LlamaClient
+from kvproxy.upstream.llama import LlamaClient, UpstreamError, UpstreamUnavailable
 
 # Longest wait for the fingerprint asked beside a swap: the client's own calls are bounded
 # too (30 s read timeout), this only keeps a stuck thread from holding the slot longer.
@@ -28,7 +30,8 @@ class Fingerprints:
     def __init__(self, client: LlamaClient, kv_format: Callable[[], str | None]):
         self.client = client
         self.kv_format = kv_format
-        self._facts: tuple[Any, dict, dict] | None = None  # (witness, /props, /v1/models)
+        # (witness, /props, /v1/models, /lora-adapters)
+        self._facts: tuple[Any, dict, dict, list] | None = None
         self._lock = threading.Lock()
         # One thread, one question at a time: swaps on several slots share the answer.
         self._asker: ThreadPoolExecutor | None = None
@@ -51,6 +54,10 @@ class Fingerprints:
             return self._of(facts), None
         return self._of(facts), Asking(self)
 
+    def forget(self) -> None:
+        """Ask again before the next swap: llama-server changed without a restart."""
+        self._facts = None
+
     def last_model(self) -> str | None:
         """The tag of the model in the last fingerprint asked (None before the first)."""
         facts = self._facts
@@ -65,14 +72,22 @@ class Fingerprints:
             self._asking = self._asker.submit(lambda: self._of(self._ask()))
             return self._asking
 
-    def _ask(self) -> tuple[Any, dict, dict]:
+    def _ask(self) -> tuple[Any, dict, dict, list]:
         witness = self.client.witness()
-        facts = (witness, self.client.props(), self.client.models())
+        facts = (witness, self.client.props(), self.client.models(), self._adapters())
         self._facts = facts
         return facts
 
-    def _of(self, facts: tuple[Any, dict, dict]) -> dict:
-        return fingerprint(facts[1], facts[2], self.kv_format())
+    def _adapters(self) -> list:
+        """The LoRA adapters; a llama-server that does not list them (an older build without
+        the route, a stub) is taken to apply none, as before they were asked."""
+        try:
+            return self.client.lora_adapters()
+        except (UpstreamError, UpstreamUnavailable):
+            return []
+
+    def _of(self, facts: tuple[Any, dict, dict, list]) -> dict:
+        return fingerprint(facts[1], facts[2], self.kv_format(), facts[3])
 
 
 class Asking:

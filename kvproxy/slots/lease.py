@@ -28,6 +28,7 @@ class Lease:
     prefill: Prefill | None = None     # a base snapshot's prefill, computed by this swap
     restore_ms: float | None = None    # llama-server's time for this swap's restore
     began: int = 0                     # the generation it began in (slots.deletions)
+    restored_saved_at: str | None = None  # the save restored (notes about it go on it alone)
     _release: Any = field(default=None, repr=False)
 
     def figures(self, timings: dict) -> dict:

@@ -9,7 +9,7 @@ from facts alone.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Union
 
 from kvproxy.sessions.identity import Session, base_stem, model_tag
@@ -146,6 +146,7 @@ class Refuse:
     metric: str | None = None     # RESTORE_MISSES label
     quarantine: bool = False      # move it aside (it does not match its sidecar)
     record: bool = False          # write the reason into its sidecar (``refused``)
+    saved_at: str | None = field(default=None, compare=False)  # the save refused, not a newer one
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,7 @@ class Restore:
     slot: int
     stem: str
     cache: str                    # RESTORED or BASE
+    saved_at: str | None = field(default=None, compare=False)  # the save it restores
 
 
 @dataclass(frozen=True)
@@ -204,13 +206,14 @@ def restore_problem(file: FileFacts, made_by: dict, n_ctx: int | None, slot: int
         return Refuse(file.stem, file.size_problem, "bad_file", quarantine=True)
     if not same_maker(sidecar.get("made_by"), made_by):
         return Refuse(file.stem, f"made by {sidecar.get('made_by')}, running {made_by}",
-                      "model_mismatch", record=True)
+                      "model_mismatch", record=True, saved_at=sidecar["saved_at"])
     if sidecar.get("refused_by") and same_maker(sidecar["refused_by"], made_by):
         return Refuse(file.stem, f"llama-server refused it before: {sidecar.get('refused')}",
                       "refused")
     problem = too_big(sidecar.get("n_tokens"), n_ctx)
     if problem:
-        return Refuse(file.stem, f"{problem} of slot {slot}", "too_big", record=True)
+        return Refuse(file.stem, f"{problem} of slot {slot}", "too_big", record=True,
+                      saved_at=sidecar["saved_at"])
     return None
 
 
@@ -273,7 +276,7 @@ def plan_swap(facts: SwapFacts) -> list[Action]:
     for file, cache in candidates(facts):
         refused = restore_problem(file, facts.made_by, facts.n_ctx, slot)
         if refused is None:
-            actions.append(Restore(slot, file.stem, cache))
+            actions.append(Restore(slot, file.stem, cache, (file.sidecar or {}).get("saved_at")))
         elif file.on_disk:
             actions.append(refused)
     actions.append(Erase(slot))
@@ -344,11 +347,25 @@ def held_by_timings(timings: dict) -> int:
 
 # -- the rest ----------------------------------------------------------------------------
 KV_FORMAT = "kv_format"  # the fingerprint's KV cache layout, from the start-up probe's file
+LORA = "lora"            # the fingerprint's LoRA adapters applied, when any is
 
 
-def fingerprint(props: dict, models: dict, kv_format: str | None = None) -> dict:
+def applied_adapters(adapters: object) -> list[list] | None:
+    """The LoRA adapters llama-server applies to every request (``GET /lora-adapters``), as
+    ``[path, scale]`` in its order, those of scale 0 left out (loaded, not applied: they
+    change no cache); None when none is. A cache computed under adapters is another model's."""
+    applied = [[a.get("path"), a.get("scale")] for a in adapters if isinstance(a, dict)
+               and a.get("scale")] if isinstance(adapters, list) else []
+    return applied or None
+
+
+def fingerprint(props: dict, models: dict, kv_format: str | None = None,
+                lora: object = None) -> dict:
     """What made a slot file: a file from anything else must not be restored. ``kv_format``
-    (cache types, V layout; ``slot_file.kv_format``) joins it once the start-up probe read it."""
+    (cache types, V layout; ``slot_file.kv_format``) joins it once the start-up probe read it;
+    ``lora`` (``GET /lora-adapters``) only when an adapter is applied, so files saved without
+    one keep their fingerprint."""
+    adapters = applied_adapters(lora)
     meta = {}
     for entry in models.get("data") or []:
         meta = entry.get("meta") or {}
@@ -361,6 +378,7 @@ def fingerprint(props: dict, models: dict, kv_format: str | None = None) -> dict
         "n_ctx": settings.get("n_ctx") or props.get("n_ctx"),
         "build_info": props.get("build_info"),
         **({KV_FORMAT: kv_format} if kv_format else {}),
+        **({LORA: adapters} if adapters else {}),
     }
 
 

@@ -15,7 +15,9 @@ reset never waits for the slot.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -72,7 +74,22 @@ class RestoreCheck:
         self.path = Path(root) / CHECK_FILE
         self.miss_limit = miss_limit
         self.off_minutes = off_minutes
-        self._lock = filelock.FileLock(str(Path(root) / CHECK_LOCK), thread_local=False)
+        self._file_lock = filelock.FileLock(str(Path(root) / CHECK_LOCK), thread_local=False)
+        # filelock with thread_local=False is re-entrant across threads: it keeps other
+        # processes out, this keeps out the other threads of this one.
+        self._thread_lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def _locked(self):
+        """The counts to read and write, for this thread alone (bounded: 5 s, then
+        ``filelock.Timeout``)."""
+        if not self._thread_lock.acquire(timeout=5):
+            raise filelock.Timeout(self._file_lock.lock_file)
+        try:
+            with self._file_lock.acquire(timeout=5):
+                yield
+        finally:
+            self._thread_lock.release()
 
     def _read(self) -> dict:
         return read_json(self.path) or {}
@@ -110,7 +127,7 @@ class RestoreCheck:
         """Count one judged restore; returns (misses in a row, whether restoring was just
         switched off). ``cause``: why llama-server does not honour them, kept with a
         switch-off so the status page and ``ps`` name the fix."""
-        with self._lock.acquire(timeout=5):
+        with self._locked():
             data = self._read()
             entry = data.get(key) or {}
             if honoured:
@@ -136,7 +153,7 @@ class RestoreCheck:
     def measured(self, key: str, honoured: bool, cause: str = "") -> None:
         """The restore probe's verdict for one llama-server: honoured ends a switch-off (the
         server was restarted with the fix), not honoured switches restoring off at once."""
-        with self._lock.acquire(timeout=5):
+        with self._locked():
             data = self._read()
             if honoured:
                 if key not in data:
@@ -153,7 +170,7 @@ class RestoreCheck:
 
     def reset(self) -> None:
         """Forget every count and switch-off (admin call)."""
-        with self._lock.acquire(timeout=5):
+        with self._locked():
             write_json_atomic(self.path, {})
 
 
@@ -211,7 +228,8 @@ def verify_restore(check: RestoreCheck, store, lease, cache_n: int, key: str) ->
         return verdict
     log.warning("restore of session %s not honoured: %d tokens restored, %d reused (%d in a row)",
                 lease.session.id, lease.restored_tokens, cache_n, misses)
-    store.update_sidecar(lease.restored_stem, {}, restore_not_honoured_at=now_iso())
+    store.update_sidecar(lease.restored_stem, {}, of_save=lease.restored_saved_at,
+                         restore_not_honoured_at=now_iso())
     if switched:
         log.error("restoring switched off for this model for %g minutes after %d unhonoured "
                   "restores (%s); POST /api/sessions/restore-check/reset turns it back on",

@@ -235,13 +235,14 @@ class SlotSwitch:
             state = self.table.get(slot)
             if not plan.worth_saving(state):
                 return False
-            made_by = self.current_made_by()
-            if self.restore_check.restoring_off(fingerprint_key(made_by)):
-                return False
+            # /slots first: behind a router, /props loads an unloaded model again
             view = self.slot_view(state, slot)
             if view != OURS:
                 log.info("not saving session %s in the background: slot %d is %s",
                          state.session_id, slot, view)
+                return False
+            made_by = self.current_made_by()
+            if self.restore_check.restoring_off(fingerprint_key(made_by)):
                 return False
             started = time.monotonic()
             saved = self.save_held(slot, state, made_by) is not None
@@ -361,7 +362,8 @@ class SlotSwitch:
                  "id_slot=%d placed=%s", session.id, session.source, filled.cache, view,
                  filled.tokens, swap_ms, slot, placed or "admin")
         return Lease(session, filled.cache, filled.tokens, swap_ms, filled.stem, made_by,
-                     prompt, slot=slot, prefill=filled.prefill, restore_ms=filled.restore_ms)
+                     prompt, slot=slot, prefill=filled.prefill, restore_ms=filled.restore_ms,
+                     restored_saved_at=filled.saved_at)
 
     def swap_held(self, slot: int, session: Session, placed: str) -> Lease:
         """Swap ``slot``, which the caller holds and frees itself (side tasks), to ``session``;
@@ -510,7 +512,8 @@ class SlotSwitch:
         restored = lease.restore_note()
         own = bool(restored) and lease.restored_stem == session.stem
         if restored and not own:
-            self.store.update_sidecar(lease.restored_stem, {}, count="restores", **restored)
+            self.store.update_sidecar(lease.restored_stem, {}, count="restores",
+                                      of_save=lease.restored_saved_at, **restored)
         if done.count_hit:
             self.store.update_sidecar(session.stem, {"session_id": session.id, "kind": "session"},
                                       count=("hits", "restores") if own else "hits",

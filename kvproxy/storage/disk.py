@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 import filelock
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from kvproxy.ops import metrics
@@ -53,6 +53,10 @@ TROUBLE_SECONDS = 600
 SAVE_WAIT_SECONDS = 300
 # A temporary sidecar as ``write_json_beside`` names it: .<stem>.json.<random>.tmp
 TEMP_SIDECAR = re.compile(r"^\.(?P<stem>.+)\.json\.[^.]+\.tmp$")
+# A sidecar of a session that has no file yet (its turns not saved: before its first swap or
+# save behind, with restoring off, after dropped saves) only counts its requests and keeps
+# its trail for matching; the start-up sweep deletes it once the session is this long unused.
+IDLE_SIDECAR_DAYS = 30
 
 
 class SaveFailed(StorageError):
@@ -142,6 +146,20 @@ def install(store: SessionStore, stem: str, sidecar: dict) -> None:
         raise SaveFailed(f"cannot write the sidecar of {stem}.bin: {exc.strerror or exc}; "
                            f"the previous file is kept") from exc
     try:
+        with store.stem_lock(stem):   # nobody reads or rewrites the pair half put in place
+            rename_in(store, stem, tmp, tmp_sidecar, sidecar)
+    except SaveFailed:
+        raise
+    except StorageError as exc:       # the lock: nothing renamed yet
+        discard(tmp)
+        discard(tmp_sidecar)
+        raise SaveFailed(f"{exc}; the previous file of {stem}.bin is kept") from exc
+
+
+def rename_in(store: SessionStore, stem: str, tmp: Path, tmp_sidecar: Path,
+              sidecar: dict) -> None:
+    """``install``'s renames: the file, its companions, then its sidecar."""
+    try:
         os.replace(tmp, store.bin_path(stem))
     except OSError as exc:
         discard(tmp)
@@ -194,11 +212,33 @@ def quarantine(store: SessionStore, stem: str, reason: str) -> Path:
     return target
 
 
+def file_check(store: SessionStore, stem: str) -> tuple[dict | None, str | None]:
+    """``<stem>.bin``'s sidecar, and why the file does not match it (None: it does, or no
+    sidecar says what made it). A mismatch is read again under the stem's lock: while a
+    save is put in place (its file renamed, its sidecar not yet) a good file looks bad."""
+    def read() -> tuple[dict | None, str | None]:
+        sidecar = store.read_sidecar(stem)
+        if not (sidecar and sidecar.get("saved_at")):
+            return sidecar, None
+        return sidecar, size_problem(store, stem, sidecar)
+    sidecar, problem = read()
+    if problem is None:
+        return sidecar, None
+    with store.stem_lock(stem):
+        return read()
+
+
 def set_aside(store: SessionStore, stem: str, reason: str) -> str:
-    """Quarantine a file that will not be restored; says where it went, for the log."""
+    """Quarantine a file that will not be restored; says where it went, for the log. Only a
+    mismatch still there under the stem's lock: the file may have been replaced by a good
+    save since it was judged, and that must not go."""
     try:
-        quarantine(store, stem, reason)
-    except OSError as exc:
+        with store.stem_lock(stem):
+            sidecar, problem = file_check(store, stem)
+            if sidecar and sidecar.get("saved_at") and problem is None:
+                return "kept: it matches its sidecar when read again (a save was put in place)"
+            quarantine(store, stem, reason)
+    except (OSError, StorageError) as exc:
         return f"it could not be moved aside ({exc})"
     return f"moved to {QUARANTINE_DIR}/"
 
@@ -285,8 +325,8 @@ def sweep(store: SessionStore) -> list[str]:
     deleted, which rolls the save back to the old pair; a ``.bin`` without a
     sidecar saying what made it, or whose size (or a recorded companion's) does
     not match, goes to quarantine with its companions; a companion whose slot
-    file is gone is deleted; a sidecar whose slot file is gone is deleted (a
-    sidecar that never had a file only counts a session's requests, and stays).
+    file is gone is deleted; a sidecar whose slot file is gone is deleted (one
+    that never had a file goes when ``fileless_sidecar_stale`` says so).
     """
     done = []
     for stem, candidates in sorted(temp_sidecars(store).items()):
@@ -315,10 +355,30 @@ def sweep(store: SessionStore) -> list[str]:
         done.append(f"deleted {path.name}: its slot file {slot_file_of(path.name)} is gone")
     for sidecar in store.sidecars():
         stem = sidecar["stem"]
-        if sidecar.get("saved_at") and not store.has_bin(stem):
+        if store.has_bin(stem):
+            continue
+        why = "its slot file is gone" if sidecar.get("saved_at") \
+            else fileless_sidecar_stale(sidecar, datetime.now(timezone.utc))
+        if why:
             store.sidecar_path(stem).unlink(missing_ok=True)
-            done.append(f"deleted {stem}.json: its slot file is gone")
+            done.append(f"deleted {stem}.json: {why}")
     return done
+
+
+def fileless_sidecar_stale(sidecar: dict, now: datetime) -> str | None:
+    """Why a sidecar that records no save (and has no file) is deleted, or None: a session's
+    keeps its request counts and trail while the session is in use. One that names no
+    session was written about a file since gone (a refusal, a restore note), and goes."""
+    if not (sidecar.get("session_id") or sidecar.get("hits") or sidecar.get("last_used_at")):
+        return "it records neither a save nor a session"
+    last = sidecar.get("last_used_at") or sidecar.get("created_at")
+    try:
+        idle = now - datetime.fromisoformat(last)
+    except (TypeError, ValueError):
+        return None   # cannot tell: kept
+    if idle > timedelta(days=IDLE_SIDECAR_DAYS):
+        return f"its session has no file and was last used {idle.days} days ago"
+    return None
 
 
 # -- the disk budget ---------------------------------------------------------

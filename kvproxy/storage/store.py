@@ -5,7 +5,9 @@ plus ``<stem>.json`` (written here, atomically: temp file, then rename).
 llama-server may write companion files beside a slot file, ``<stem>.bin.<suffix>``
 (newer llama-server saves context checkpoints as ``<stem>.bin.ckpt``): they belong
 to the slot file, are counted in its size on disk, and are moved, quarantined,
-evicted and deleted with it (``companions``).
+evicted and deleted with it (``companions``). A save's renames and each sidecar
+update of one stem hold that stem's lock (``stem_lock``), so no reader sees, and no
+update writes back, a file and a sidecar of two different saves.
 A small state file holds a table with one entry per slot: which session the
 slot holds, how many tokens, when it was last used. A restarted proxy, or a
 second worker, reads it to know what to save before the next swap. Each entry
@@ -23,14 +25,16 @@ slot over a session's file.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
 import tempfile
 import threading
+import zlib
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import filelock
 
@@ -47,6 +51,7 @@ LOCK_FILE = ".kvproxy.lock"     # slot 0's lock (the name older versions used fo
 TEMP_SUFFIX = ".saving.bin"     # a save in progress: <stem>.saving.bin
 PROBE_PREFIX = "probe."         # the start-up check's probe file: probe.<hex>.bin
 QUARANTINE_DIR = "quarantine"   # files that cannot be trusted, moved aside
+STEM_LOCKS = 16                 # .kvproxy-files-<n>.lock: a stem's lock is one of these
 SLOT_SUFFIX = ".bin"            # a slot file; its companions are <name>.bin.<suffix>
 
 
@@ -256,6 +261,10 @@ TABLE_LOCK_FAILURES = {
     filelock.Timeout: lambda exc: StorageError("the state file's lock stayed taken for 30 s"),
     OSError: lambda exc: StorageError(f"cannot lock the state file: {exc.strerror or exc}")}
 
+STEM_LOCK_FAILURES = {
+    filelock.Timeout: lambda exc: StorageError("a slot file's lock stayed taken for 30 s"),
+    OSError: lambda exc: StorageError(f"cannot lock a slot file: {exc.strerror or exc}")}
+
 
 class SessionStore:
     """The slot folder: sidecars, slot files and the proxy's state file."""
@@ -274,6 +283,10 @@ class SessionStore:
         self._table_file_lock = filelock.FileLock(str(self.root / self._scoped(STATE_LOCK)),
                                                   thread_local=False)
         self._sidecar_readers: list[Callable[[str, tuple[int, int], dict], None]] = []
+        # Per-stem locks, a fixed set the stems hash onto (no lock file per session to clean).
+        self._stem_locks = [(threading.RLock(), filelock.FileLock(
+            str(self.root / f".kvproxy-files-{n}.lock"), thread_local=False))
+            for n in range(STEM_LOCKS)]
 
     def _scoped(self, name: str) -> str:
         if not self.model:
@@ -314,6 +327,27 @@ class SessionStore:
         """What the slot file takes on disk: its size and its companions'."""
         return bytes_with_companions(self.bin_path(stem))
 
+    @contextlib.contextmanager
+    def stem_lock(self, stem: str) -> Iterator[None]:
+        """Hold ``stem``'s lock: a save being put in place (file renamed, then sidecar) and a
+        sidecar's read-modify-write exclude each other, between threads and processes, so
+        nobody judges or rewrites a file and a sidecar of two different saves. Re-entrant
+        in one thread (a thread lock first: filelock with ``thread_local=False`` is
+        re-entrant across threads). The stem picks one of ``STEM_LOCKS`` by a hash that is
+        the same in every process (``hash()`` of a str is not)."""
+        thread_lock, file_lock = self._stem_locks[zlib.crc32(stem.encode()) % STEM_LOCKS]
+        if not thread_lock.acquire(timeout=30):
+            raise StorageError("a slot file's lock stayed taken for 30 s in this process")
+        try:
+            with map_exceptions(STEM_LOCK_FAILURES):
+                file_lock.acquire(timeout=30)
+            try:
+                yield
+            finally:
+                file_lock.release()
+        finally:
+            thread_lock.release()
+
     # -- sidecars ----------------------------------------------------------
     def read_sidecar(self, stem: str) -> dict | None:
         return migrate_sidecar(read_json(self.sidecar_path(stem)))
@@ -326,14 +360,22 @@ class SessionStore:
             self._sidecar_readers.append(reader)
 
     def update_sidecar(self, stem: str, defaults: dict, count: str | tuple[str, ...] = (),
-                       **changes: Any) -> dict:
+                       of_save: str | None = None, **changes: Any) -> dict | None:
         """Merge ``changes`` into the sidecar, creating it from ``defaults`` if absent;
-        ``count`` names the counters to add one to, in the same read and write."""
-        sidecar = self.merged_sidecar(stem, defaults, **changes)
-        for name in (count,) if isinstance(count, str) else count:
-            sidecar[name] = int(sidecar.get(name) or 0) + 1
+        ``count`` names the counters to add one to, in the same read and write, under the
+        stem's lock (a save put in place meanwhile is never overwritten by the sidecar read
+        before it). ``of_save``: the ``saved_at`` of the save the changes are about; when
+        the sidecar describes another save by then, nothing is written (None): a refusal of
+        the old file must not stick to the new one."""
         path = self.sidecar_path(stem)
-        written = _write_or_storage_error(path, sidecar)
+        with self.stem_lock(stem):
+            sidecar = self.merged_sidecar(stem, defaults)
+            if of_save is not None and sidecar.get("saved_at") != of_save:
+                return None
+            sidecar.update(changes)
+            for name in (count,) if isinstance(count, str) else count:
+                sidecar[name] = int(sidecar.get(name) or 0) + 1
+            written = _write_or_storage_error(path, sidecar)
         for reader in self._sidecar_readers:
             reader(path.name, written, sidecar)
         return sidecar

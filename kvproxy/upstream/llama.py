@@ -61,6 +61,13 @@ def upstream_error(status: int, message: str) -> "UpstreamError":
     return error
 
 
+# /tokenize and /apply-template are answered by llama-server's HTTP threads, not behind the
+# slots' task queue: in milliseconds even while every slot generates. Their callers may hold a
+# slot (the restore check, a base snapshot), which a stalled llama-server must not keep for
+# the 600 s a generation may take.
+PROMPT_READ_TIMEOUT = 30   # as /props and /slots
+
+
 class LlamaClient:
     """One llama-server, reached over HTTP with bounded waits.
 
@@ -201,15 +208,22 @@ class LlamaClient:
                                            if isinstance(e, dict) and e.get("id") == self.model]}
         return listing
 
+    def lora_adapters(self) -> list:
+        """``/lora-adapters``: every adapter loaded (``id``, ``path``, ``scale``: 0 when not
+        applied)."""
+        return self._json("GET", "/lora-adapters", read_timeout=30, params=self._query())
+
     def slots(self) -> list[dict]:
         return self._json("GET", "/slots", read_timeout=30, params=self._query(autoload=False))
 
     def tokenize(self, content: str, add_special: bool = False) -> list[int]:
-        return self._json("POST", "/tokenize", json=self._named(
-            {"content": content, "add_special": add_special}))["tokens"]
+        return self._json("POST", "/tokenize", read_timeout=PROMPT_READ_TIMEOUT,
+                          json=self._named({"content": content,
+                                            "add_special": add_special}))["tokens"]
 
     def apply_template(self, body: dict) -> str:
-        return self._json("POST", "/apply-template", json=self._named(body))["prompt"]
+        return self._json("POST", "/apply-template", read_timeout=PROMPT_READ_TIMEOUT,
+                          json=self._named(body))["prompt"]
 
     def prefill(self, tokens: list[int], slot_id: int) -> dict:
         """Compute ``tokens`` into the slot without generating (a base snapshot's system prompt)."""

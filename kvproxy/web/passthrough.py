@@ -39,6 +39,9 @@ def plain() -> Response:
     """Relayed as it is, without waiting for the slot; llama-server's answer as it comes."""
     client = relay().client
     upstream = _send(None)
+    if request.method == "POST" and request.path == "/lora-adapters":
+        for switch in relay().models.switches():  # the adapters applied are in the fingerprint
+            switch.fingerprints.forget()
     response = Response(_chunks(client, upstream), status=upstream.status_code,
                         headers=_kept_headers(upstream), direct_passthrough=True)
     response.call_on_close(upstream.close)
