@@ -221,7 +221,7 @@ SETTINGS: tuple[Setting, ...] = (
             "thread meanwhile."),
     Setting("session_headers",
             "X-Session-Id,X-Conversation-Id,Session-Id,Conversation-Id,"
-            "X-OpenWebUI-Chat-Id,X-Claude-Code-Session-Id,X-Session-Affinity", _csv,
+            "X-OpenWebUI-Chat-Id,X-Claude-Code-Session-Id,X-Session-Affinity,X-LiteLLM-Session-Id", _csv,
             "Request headers that name a session, in priority order."),
     Setting("anonymous_sessions", "conversation", _choice("conversation", "system"),
             "How a request without any id is grouped: 'conversation' (system prompt plus first user "

@@ -100,8 +100,20 @@ def test_admin_posts_must_be_json(client):
         assert reply.status_code == 415, kind
         assert reply.get_json()["message"] == \
             "POST /api/sessions/clear needs 'Content-Type: application/json'"
-    assert client.post("/api/sessions/restore-check/reset").status_code == 415
     assert client.post("/api/sessions/restore-check/reset", json={}).status_code == 200
+
+
+def test_an_admin_post_with_no_body_and_no_type_is_what_curl_sends_and_works(client):
+    """``curl -X POST .../api/sessions/clear``: the original design's call, no body."""
+    for path in ("/api/sessions/clear", "/api/sessions/restore-check/reset"):
+        reply = client.post(path)
+        assert reply.status_code == 200, (path, reply.get_data(as_text=True))
+    assert client.post("/api/sessions/clear").get_json()["cleared"] is True
+    # A page on another site sending the same empty POST names itself, and is refused.
+    for page in (CROSS, {"Origin": "http://attacker.example"}):
+        assert client.post("/api/sessions/clear", headers=page).status_code == 403
+    # A body, or a content type, still needs JSON.
+    assert client.post("/api/sessions/clear", data="", content_type="text/plain").status_code == 415
 
 
 def test_a_foreign_host_name_is_refused(client):

@@ -19,10 +19,17 @@ def resolve(headers=None, body=None, messages=None, stream=True, anonymous="conv
 
 @pytest.mark.parametrize("header", ["X-Session-Id", "X-Conversation-Id", "Session-Id",
                                     "Conversation-Id", "X-OpenWebUI-Chat-Id",
-                                    "X-Claude-Code-Session-Id", "X-Session-Affinity"])
+                                    "X-Claude-Code-Session-Id", "X-Session-Affinity",
+                                    "X-LiteLLM-Session-Id"])
 def test_each_header_names_the_session(header):
     session = resolve(headers={header: "abc-1"}, body={"session_id": "body"})
     assert (session.id, session.source) == ("abc-1", f"header:{header}")
+
+
+def test_litellms_session_header_names_the_session_as_openhands_sends_it():
+    from werkzeug.datastructures import Headers
+    session = resolve(headers=Headers({"x-litellm-session-id": "oh-1"}))
+    assert session.id == "oh-1"
 
 
 def test_headers_follow_the_configured_order():

@@ -1,4 +1,7 @@
 """Session switching against the real llama-server through kvproxy (OpenAI client)."""
+import json
+import subprocess
+
 import openai
 import pytest
 import requests
@@ -132,8 +135,11 @@ def test_delete_removes_files_and_unknown_is_404(stack, client):
 
 def test_clear_resets_to_default(stack, client):
     ask(client, SYSTEM_B, "Summarise rule 2.", "conv-b")
-    reply = requests.post(stack.url + "/api/sessions/clear", json={}, timeout=30)
-    assert reply.status_code == 200 and reply.json()["session_id"] == "default"
+    # As the original design has it, and as curl sends it: no body, no content type.
+    done = subprocess.run(["curl", "-sS", "--max-time", "60", "-X", "POST",
+                           stack.url + "/api/sessions/clear"], capture_output=True, text=True,
+                          timeout=90)
+    assert done.returncode == 0 and json.loads(done.stdout)["session_id"] == "default", done
     assert requests.get(stack.url + "/api/sessions/current", timeout=10).json()["session_id"] == "default"
     slot = requests.get(stack.llama.url + "/slots", timeout=10).json()[0]
     assert not slot.get("n_prompt_tokens")

@@ -12,8 +12,9 @@ Checked before every request, in the route family's error shape (``kvproxy.web.e
   browser says where a request comes from in ``Sec-Fetch-Site``; browsers that do not
   send it are judged by ``Origin`` against ``Host``. Servers, SDKs and curl send neither
   and are not affected.
-- An admin POST must be JSON (``Content-Type: application/json``, else 415): a form or a
-  ``text/plain`` body is what a page on another site can send without asking.
+- An admin POST must be JSON (``Content-Type: application/json``, else 415), or have no
+  body and no content type at all (``curl -X POST``): a form or a ``text/plain`` body is
+  what a page on another site can send without asking.
 """
 from __future__ import annotations
 
@@ -113,8 +114,17 @@ def check_request() -> None:
         if source:
             raise ClientError(f"{request.method} {request.path} from {source} is refused: "
                               "add its origin to KVPROXY_ALLOWED_ORIGINS to allow it", 403)
-    if admin and request.method == "POST" and request.mimetype != "application/json":
+    if admin and request.method == "POST" and request.mimetype != "application/json" \
+            and not _empty_without_type():
         raise ClientError(f"POST {request.path} needs 'Content-Type: application/json'", 415)
+
+
+def _empty_without_type() -> bool:
+    """A POST with no body and no content type: what curl and scripts send for an action
+    without arguments. A page can send it too, but a browser then names the page (``Origin``,
+    ``Sec-Fetch-Site``), which ``cross_site`` has already judged."""
+    return not request.headers.get("Content-Type") and not request.content_length \
+        and "Transfer-Encoding" not in request.headers
 
 
 def init_app(app: Flask) -> None:
