@@ -90,8 +90,9 @@ def measure_layout(layout: str, work: Path, texts: dict, args) -> dict:
     """Fill the residents, then ``args.rounds`` rounds of both conditions on one layout."""
     label, extra = LAYOUTS[layout]
     folder = work / layout
+    threads = ["--threads", str(args.threads)] if args.threads else []
     llama = LlamaServer(str(folder), slots=4, ctx_size=args.ctx, cache_ram_mib=0,
-                        extra_args=extra, log_path=str(work / f"llama-{layout}.log"))
+                        extra_args=extra + threads, log_path=str(work / f"llama-{layout}.log"))
     print(f"== {label} (-c {args.ctx}); filling slots 1-3 ...", flush=True)
     llama.start(timeout=180)
     try:
@@ -219,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="system prompt of the active conversation")
     parser.add_argument("--decode", type=int, default=128, help="tokens generated per answer")
     parser.add_argument("--layouts", default="separate,unified")
+    parser.add_argument("--threads", type=int, help="llama-server --threads (default: its own); "
+                        "1 keeps a loaded machine from stalling its threads at each barrier")
     parser.add_argument("--name", default="idle-residents", help="bench/results/<name>.json, .md")
     args = parser.parse_args(argv)
     started = time.monotonic()
