@@ -139,7 +139,8 @@ bench-slot-overhead: setup
 
 # Does a conversation resident in another slot slow the active one? Slot 0's prefill and decode
 # with slots 1-3 holding about 2,500 tokens each against them erased, alternated for 8 rounds,
-# on -np 4 (kvproxy's layout) and with --kv-unified (about 10 minutes; BENCH_ARGS="--rounds 4").
+# on -np 4 (kvproxy's layout) and with --kv-unified (about 5 minutes on a quiet machine, half an
+# hour on a loaded one; there BENCH_ARGS="--threads 1" keeps llama-server's decode steady).
 bench-idle-residents: setup
 	$(BIN)/python -m bench.idle_residents $(BENCH_ARGS)
 
