@@ -14,7 +14,7 @@ BUILD_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 CLAUDE_CODE_VERSION := 2.1.332
 NPM_DIR := var/npm
 
-.PHONY: setup swa-model run test test-unit test-deploy nginx mutate bench bench-concurrency bench-swap bench-slot-overhead bench-kill bench-models soak clean claude-cli dist
+.PHONY: setup swa-model run test test-unit test-deploy nginx mutate bench bench-concurrency bench-swap bench-slot-overhead bench-idle-residents bench-kill bench-models soak clean claude-cli dist
 setup: $(VENV)/.requirements $(VENV)/.llama-server $(VENV)/.model
 
 $(VENV)/bin/python:
@@ -136,6 +136,13 @@ bench-swap: setup
 # no-swap request path alone (about 2 minutes).
 bench-slot-overhead: setup
 	$(BIN)/python -m bench.slot_overhead
+
+# Does a conversation resident in another slot slow the active one? Slot 0's prefill and decode
+# with slots 1-3 holding about 2,500 tokens each against them erased, alternated for 8 rounds,
+# on -np 4 (kvproxy's layout) and with --kv-unified (about 5 minutes on a quiet machine, half an
+# hour on a loaded one; there BENCH_ARGS="--threads 1" keeps llama-server's decode steady).
+bench-idle-residents: setup
+	$(BIN)/python -m bench.idle_residents $(BENCH_ARGS)
 
 # SIGKILL of llama-server, kvproxy or both after a turn settled, 20 rounds: every turn kept?
 bench-kill: setup
