@@ -117,6 +117,23 @@ def test_several_slots_want_the_ram_cache_and_similarity_pick_off(fake, probe, t
     assert checks["ram cache"].level == doctor.SKIP
 
 
+def test_several_slots_in_one_unified_kv_pool_are_a_warning(fake, probe, tmp_path):
+    """Idle residents slow the active slot only in a unified pool (docs/benchmark.md)."""
+    fake.props["total_slots"] = 4
+    fake.held = [0, 0, 0, 0]
+    quiet = ["--cache-ram", "0", "--slot-prompt-similarity", "0"]
+    for unified in (["-np", "4", "--kv-unified"], quiet[:0], ["-np", "4", "-kvu"]):
+        status, checks = diagnose(tmp_path, doctor.Flags(unified + quiet))
+        assert status == 1 and checks["kv layout"].level == doctor.WARN, unified
+        assert "without --kv-unified" in checks["kv layout"].text
+    for own in (["-np", "4"], ["--parallel", "4", "--kv-unified", "--no-kv-unified"]):
+        status, checks = diagnose(tmp_path, doctor.Flags(own + quiet))
+        assert status == 0 and checks["kv layout"].level == doctor.OK, own
+    fake.props["total_slots"] = 1
+    fake.held = [0]
+    assert "kv layout" not in diagnose(tmp_path, doctor.Flags([]))[1]
+
+
 def test_sleep_mode_is_a_warning(fake, probe, tmp_path):
     fake.props["is_sleeping"] = True
     status, checks = diagnose(tmp_path)
