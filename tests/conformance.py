@@ -153,14 +153,14 @@ DIFFERENCES: dict[str, Difference] = {
     "several-answers": Difference(
         "POST /v1/chat/completions, /v1/completions, /completion, /v1/responses (every "
         "generation route)", "`n` (or `n_cmpl`) above 1",
-        "200 with that many answers, the ones after the first computed in other idle slots "
-        "(400 when above its `-np`)",
+        "with several slots, 200 and that many answers, the ones after the first computed in "
+        "other idle slots; 400 when `n` is above its `-np` (so always with one slot)",
         "400 `'n' is 2: kvproxy answers one completion per request ...`",
         "llama-server copies the request's slot into another idle slot for each extra answer, "
         "over the conversation kvproxy keeps there: that conversation's next turn would be "
         "computed again from nothing, or its saved file could hold this request's text. "
         "Sending the request again gives another answer.",
-        (200, 400), "kvproxy answers one completion per request"),
+        (400, 400), "kvproxy answers one completion per request"),
     "slot-actions": Difference(
         "POST /slots/<id>", "`?action=save`, `restore`, `erase`",
         "200: saves, restores or erases the slot",
