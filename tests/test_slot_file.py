@@ -40,8 +40,10 @@ def test_the_kv_format_names_cache_types_and_layout(tmp_path):
 def test_cells_with_the_m_rope_extension_and_empty_streams_are_read(tmp_path):
     assert kv_format(slot_file(tmp_path / "a.bin", ext=8, k_type=2, v_type=2)) == \
         "k=q4_0 v=q4_0 v_trans=0 layers=2 rot=0,0"
+    # -np 3: one stream a slot, the file's sequence in one of them; llama-server refuses it
+    # under another stream count ("n_stream mismatch"), so the count is part of the format.
     assert kv_format(slot_file(tmp_path / "b.bin", empty_streams_first=2)) == \
-        "k=f16 v=f16 v_trans=0 layers=2 rot=0,0"
+        "k=f16 v=f16 v_trans=0 layers=2 rot=0,0 streams=3"
 
 
 @pytest.mark.parametrize("content", [b"", b"junk" * 10, struct.pack("<III", 1, 1, 0)])

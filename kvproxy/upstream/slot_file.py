@@ -79,8 +79,10 @@ def _read(handle: BinaryIO, fmt: str) -> tuple:
 
 def kv_format(path: Path) -> str | None:
     """The KV cache layout a slot file was written with, as a short text such as
-    ``k=f16 v=f16 v_trans=1 layers=30 rot=0,0``; None when the file holds no cells or cannot
-    be read (then nothing is claimed about it). Reads the headers only, seeking past the
+    ``k=f16 v=f16 v_trans=1 layers=30 rot=0,0``, with `` streams=N`` when the cache has one
+    stream per slot (``-np N``: llama-server refuses a file of another stream count, "n_stream
+    mismatch"); None when the file holds no cells or cannot be read (then nothing is claimed
+    about it). Reads the headers only, seeking past the
     rows, so a file of gigabytes costs a few reads."""
     try:
         with open(path, "rb") as handle:
@@ -90,7 +92,8 @@ def kv_format(path: Path) -> str | None:
             for _ in range(min(n_stream, 4096)):
                 cell_count, = _read(handle, "<I")
                 if cell_count:
-                    return _layout(handle, cell_count)
+                    layout = _layout(handle, cell_count)
+                    return f"{layout} streams={n_stream}" if layout and n_stream > 1 else layout
     except (OSError, struct.error):
         return None
     return None
