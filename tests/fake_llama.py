@@ -36,6 +36,8 @@ class FakeLlama:
         self.slot_actions: list[tuple[int, str, str | None]] = []
         self.pinned: list[int | None] = []
         self.held = [0] * n_slots   # tokens each slot holds
+        self.tasks: dict[int, int] = {}  # per slot, the id of the last task it ran
+        self.last_task = 0
         self.n_ctx = n_ctx          # per slot
         self.props = copy.deepcopy(PROPS)
         self.props["total_slots"] = n_slots
@@ -90,10 +92,24 @@ class FakeLlama:
         self.pinned.append(slot)
         return slot % len(self.held) if isinstance(slot, int) and slot >= 0 else 0
 
+    def _ran(self, body: dict) -> int:
+        """A task ran in the request's slot: task ids count up from llama-server's start."""
+        slot = self._slot_of(body)
+        self.last_task += 1
+        self.tasks[slot] = self.last_task
+        return slot
+
+    def restart(self, n_slots: int | None = None) -> None:
+        """As llama-server started again (``n_slots``: with another -np): every slot empty,
+        task ids from 0."""
+        n_slots = n_slots or len(self.held)
+        self.held, self.tasks, self.last_task = [0] * n_slots, {}, 0
+        self.props["total_slots"] = n_slots
+
     def _prefill(self, request):
         body = json.loads(request.body)
         self.prefills.append(body["prompt"])
-        self.held[self._slot_of(body)] = len(body["prompt"])
+        self.held[self._ran(body)] = len(body["prompt"])
         reused = min(self.prefill_reused, len(body["prompt"]))
         computed = len(body["prompt"]) - reused
         return self._json({"content": "", "timings": {
@@ -101,11 +117,12 @@ class FakeLlama:
             "predicted_n": 0}})
 
     def slot_entry(self, slot: int = 0) -> dict:
-        """As llama-server lists it: no id_task until a task ran since start."""
-        if self.held[slot] == 0:
+        """As llama-server lists it: no id_task until a task ran since start (a slot given
+        tokens otherwise, by a test or a restore, shows task 0)."""
+        if self.held[slot] == 0 and slot not in self.tasks:
             return {"id": slot, "n_ctx": self.n_ctx, "is_processing": False}
-        return {"id": slot, "n_ctx": self.n_ctx, "is_processing": False, "id_task": 1,
-                "n_prompt_tokens": self.held[slot]}
+        return {"id": slot, "n_ctx": self.n_ctx, "is_processing": False,
+                "id_task": self.tasks.get(slot, 0), "n_prompt_tokens": self.held[slot]}
 
     def _slots(self, request):
         if self.slots_off:
@@ -182,7 +199,7 @@ class FakeLlama:
     def _chat(self, request):
         body = json.loads(request.body)
         timings = dict(self.chat_timings)
-        self.held[self._slot_of(body)] = timings["cache_n"] + timings["prompt_n"] + timings["predicted_n"]
+        self.held[self._ran(body)] = timings["cache_n"] + timings["prompt_n"] + timings["predicted_n"]
         message = {"role": "assistant", "content": "ok"}
         usage = {"prompt_tokens": timings["prompt_n"] + timings["cache_n"], "completion_tokens": 2,
                  "prompt_tokens_details": {"cached_tokens": timings["cache_n"]}}
@@ -205,7 +222,7 @@ class FakeLlama:
         """/v1/completions: the same answer as text chunks, timings on the last one."""
         body = json.loads(request.body)
         timings = dict(self.chat_timings)
-        self.held[self._slot_of(body)] = timings["cache_n"] + timings["prompt_n"] + timings["predicted_n"]
+        self.held[self._ran(body)] = timings["cache_n"] + timings["prompt_n"] + timings["predicted_n"]
         if body.get("stream"):
             chunks = [{"choices": [{"index": 0, "text": "ok"}]},
                       {"choices": [{"index": 0, "text": "", "finish_reason": "stop"}],

@@ -18,7 +18,7 @@ from typing import Any, Callable, Protocol
 
 from kvproxy.ops import metrics
 from kvproxy.sessions.identity import Session, base_stem
-from kvproxy.slots import plan
+from kvproxy.slots import instance, plan
 from kvproxy.slots.plan import (BASE, FILLING, MISS, RESTORED, Action, Adopt, Claim, Erase,
                                 FileFacts, KeepFile,
                                 MakeBase, Record, Refuse, Restore, Save, SwapFacts)
@@ -106,18 +106,39 @@ class SlotExecutor:
         self.n_ctx: dict[int, int] = {}        # per slot, from /slots
         self.witness: dict[int, Any] = {}      # per slot, see view()
         self.kv_format: str | None = None      # what the last file read was written with
+        self.listed: instance.Listing | None = None  # the last /slots listing's facts
+        self.listed_at = float("-inf")          # when it was read (time.monotonic())
+        self.restart: str | None = None        # a restart a listing showed, not yet acted on
+        self.entries: dict[int, dict] = {}     # the last listing's entries, by slot
         # per slot: a swap done whose record the table learns with the request's own
         # bookkeeping (``recorded``); until then the table names the session as claimed
         self.unrecorded: dict[int, tuple[Session, int, str]] = {}
 
     # -- facts ---------------------------------------------------------------
     def slot_entry(self, slot: int) -> dict | None:
-        """``/slots``' entry for ``slot`` (and every slot's n_ctx noted); raises when unreachable."""
+        """``/slots``' entry for ``slot`` (and every slot's n_ctx noted); raises when unreachable.
+        A listing from another llama-server process than the last one is noted in ``restart``."""
         slots = self.client.slots()
-        for entry in slots:
-            if isinstance(entry, dict) and isinstance(entry.get("id"), int) and entry.get("n_ctx"):
-                self.n_ctx[entry["id"]] = int(entry["n_ctx"])
-        return next((s for s in slots if isinstance(s, dict) and s.get("id") == slot), None)
+        listed = instance.of_listing(slots)
+        self.restart = instance.restarted(self.listed, listed) or self.restart
+        self.listed, self.listed_at = listed or self.listed, time.monotonic()
+        self.entries = {e["id"]: e for e in slots if isinstance(e, dict) and isinstance(e.get("id"), int)}
+        if listed is not None:
+            self.n_ctx = {id_: int(e["n_ctx"]) for id_, e in self.entries.items() if e.get("n_ctx")}
+        return self.entries.get(slot)
+
+    def ran_a_task(self) -> None:
+        """llama-server answered a task of kvproxy's: its task ids have started, so a listing
+        that shows none comes from a process started since (``instance.restarted``)."""
+        if self.listed is not None and self.listed.last_task < 0:
+            self.listed = dataclasses.replace(self.listed, last_task=0)
+
+    def forget_instance(self) -> str | None:
+        """llama-server restarted: what was learned of the old process (slot sizes, KV format,
+        open connections) no longer holds. Returns the restart's reason, and forgets it."""
+        reason, self.restart = self.restart, None
+        self.n_ctx, self.witness, self.kv_format = {}, {}, None
+        return reason
 
     def slot_n_ctx(self, slot: int) -> int | None:
         if slot not in self.n_ctx:
@@ -197,7 +218,10 @@ class SlotExecutor:
                 self.touch(action.slot)
                 if beside_restore is not None:
                     beside_restore()
-                done = self.restore(action.stem, action.slot, made_by, action.saved_at)
+                # A refusal is remembered against a confirmed fingerprint only: planned with
+                # an unconfirmed one, the server refusing may be another (restarted) one.
+                done = self.restore(action.stem, action.slot,
+                                    made_by if beside_restore is None else None, action.saved_at)
                 if done is not None:
                     filled = Filled(action.cache, done[0], action.stem, restore_ms=done[1],
                                     saved_at=action.saved_at)

@@ -54,8 +54,15 @@ class Fingerprints:
             return self._of(facts), None
         return self._of(facts), Asking(self)
 
+    def proven_same(self) -> bool:
+        """Whether llama-server provably is the process the fingerprint was asked of (the
+        connection of the last slot call before it is still open)."""
+        facts = self._facts
+        return facts is not None and self.client.still_open(facts[0])
+
     def forget(self) -> None:
-        """Ask again before the next swap: llama-server changed without a restart."""
+        """Ask again before the next swap: llama-server changed (restarted, or its LoRA
+        adapters were set)."""
         self._facts = None
 
     def last_model(self) -> str | None:

@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 from kvproxy.ops import metrics
 from kvproxy.ops.activity import RecentActivity
 from kvproxy.sessions.identity import DEFAULT_SESSION, MODEL_SEPARATOR, Session, file_stem
-from kvproxy.slots import plan, restore_probe
+from kvproxy.slots import instance, plan, restore_probe
 from kvproxy.slots.deletions import Deletions
 from kvproxy.slots.fingerprints import Fingerprints
 from kvproxy.slots.lease import Lease
@@ -36,6 +36,11 @@ from kvproxy.storage.store import SessionStore, StorageError, now_iso
 from kvproxy.upstream.llama import LlamaClient, UpstreamError, UpstreamUnavailable
 
 log = logging.getLogger("kvproxy.switch")
+
+
+class SlotGone(HeldElsewhere):
+    """The leased slot no longer exists (llama-server restarted with fewer): place again."""
+
 
 __all__ = ["SlotSwitch", "Lease", "SlotBusy", "SlotUnavailable", "ClientGone", "HIT", "RESTORED",
            "BASE", "MISS", "judge_slot", "fingerprint", "fingerprint_key", "OURS",
@@ -77,6 +82,7 @@ class SlotSwitch:
         # Per slot: when this process last wrote its used_at alone (see plan.after_answer).
         self._used_at_written: dict[int, float] = {}
         self.fingerprints = Fingerprints(client, lambda: self.kv_format)
+        self._probe_due = False  # llama-server restarted: its KV format is not known yet
         # New turns saved in the background once a slot has settled (see save_behind).
         self.saver = SaveBehind(self.save_settled, save_behind_delay) if save_behind else None
         # Sessions deleted while leases ran (shared by every model's switch: ModelSwitches).
@@ -90,7 +96,7 @@ class SlotSwitch:
             total = self._llama_slot_count()
             if total is None:
                 return [self.slot_id]
-            self._slot_ids = [self.slot_id] if total == 1 else list(range(total))
+            self._slot_ids = instance.driven_slots(self.configured_slots, self.slot_id, total)
             log.info("driving %d llama-server slot(s): %s", len(self._slot_ids), self._slot_ids)
         return self._slot_ids
 
@@ -319,6 +325,8 @@ class SlotSwitch:
                 # a hit needs no restore check: no prompt
                 return Lease(session.on_model(state.model), HIT, slot=slot)
         asked_for = session
+        if self.executor.restart or not self.fingerprints.proven_same():
+            state, view = self._same_llama_server(slot, state, view, started)
         made_by, asking = self.fingerprints.for_swap()
         session = session.on_model(plan.model_of(made_by))
         # The files this swap may restore stay until it is done (eviction by other slots).
@@ -346,6 +354,7 @@ class SlotSwitch:
         actions = plan.plan_swap(facts)
         if asking is not None and not plan.undoable(actions):
             if asking.changed(made_by) is not None:
+                self.executor.restart = self.executor.restart or "its fingerprint changed"
                 return self._swap_to(asked_for, prompt, slot, placed)  # planned afresh
             asking = None
         filled = self.executor.carry_out(actions, made_by, prompt, self.slot_ids(),
@@ -355,6 +364,7 @@ class SlotSwitch:
             log.warning("llama-server changed during the swap of slot %d (its fingerprint "
                         "differs from the last one seen): swapping again", slot)
             self.executor.mark_unproven(slot)
+            self.executor.restart = self.executor.restart or "its fingerprint changed"
             return self._swap_to(asked_for, prompt, slot, placed)
         metrics.SLOT_SWAPS.labels(str(slot), filled.cache).inc()
         swap_ms = (time.monotonic() - started) * 1000
@@ -375,6 +385,50 @@ class SlotSwitch:
             raise
         lease._release = lambda: None
         return lease
+
+    def _same_llama_server(self, slot: int, state: SlotState, view: str,
+                           since: float) -> tuple[SlotState, str]:
+        """Nothing proves llama-server is the process kvproxy learned its facts from (the
+        connection of the last fingerprint is closed): ``/slots`` tells (``instance.restarted``;
+        not asked again when this swap asked it already). A new process is learned afresh
+        before anything is planned, so no file goes to a server that cannot take it and no
+        slot id wraps onto another slot. Returns the slot's record and view from then on."""
+        if self.executor.listed_at < since:
+            try:
+                self.executor.slot_entry(slot)
+            except (UpstreamError, UpstreamUnavailable):
+                return state, view  # the swap meets the same failure and answers for it
+        if self.executor.restart:
+            self._learn_again(self.executor.forget_instance())
+        if slot not in self.slot_ids():
+            raise SlotGone()
+        if not self._probe_due:
+            return state, view
+        # The new process holds nothing of kvproxy's: this slot is spare for the probe.
+        self._probe_due = False
+        self.executor.touch(slot)
+        if restore_probe.probe_slot(self, self.client, slot, state).touched:
+            self.executor.ran_a_task()
+        state = self.table.get(slot)
+        return state, EMPTY if state.phase is Phase.EMPTY else UNKNOWN
+
+    def _learn_again(self, reason: str | None) -> None:
+        """llama-server restarted: the slots to drive, their sizes and its fingerprint are
+        learned from the new process; slots it no longer has are emptied in the table."""
+        listed = self.executor.listed
+        total = len(listed.n_ctx) if listed else None
+        self.fingerprints.forget()
+        self._probe_due = True
+        old, self._slot_ids = self._slot_ids, instance.driven_slots(
+            self.configured_slots, self.slot_id, total)
+        log.warning("llama-server restarted (%s): learning it again; driving slot(s) %s (was %s)",
+                    reason, self.slot_ids(), old)
+        if total is not None:
+            def gone(table: dict[int, SlotState]) -> None:
+                for slot, state in table.items():
+                    if slot >= total and state.phase is not Phase.EMPTY:
+                        table[slot] = emptied(state, False)
+            self.table.change(gone)
 
     def clear(self, slot: int | None = None) -> list[int]:
         """Save what a slot (default: every slot) holds, erase it and make ``default`` its
@@ -484,6 +538,8 @@ class SlotSwitch:
         metrics.TOKENS.labels("computed").inc(int(timings.get("prompt_n") or 0))
         self.activity.record(lease, figures)
         slot = lease.slot
+        if timings:
+            self.executor.ran_a_task()
         if session.persistent and self.deletions.undone(session.id, lease.began):
             # Deleted while this lease ran (its swap may have restored the old file): the
             # slot must neither serve it as a hit nor save it back.
