@@ -134,10 +134,11 @@ class SlotExecutor:
             self.listed = dataclasses.replace(self.listed, last_task=0)
 
     def forget_instance(self) -> str | None:
-        """llama-server restarted: what was learned of the old process (slot sizes, KV format,
-        open connections) no longer holds. Returns the restart's reason, and forgets it."""
+        """llama-server restarted: what was learned of the old process (KV format, open
+        connections) no longer holds; the slot sizes are the listing's that showed the
+        restart. Returns the restart's reason, and forgets it."""
         reason, self.restart = self.restart, None
-        self.n_ctx, self.witness, self.kv_format = {}, {}, None
+        self.witness, self.kv_format = {}, None
         return reason
 
     def slot_n_ctx(self, slot: int) -> int | None:
