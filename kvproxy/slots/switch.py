@@ -390,9 +390,12 @@ class SlotSwitch:
                            since: float) -> tuple[SlotState, str]:
         """Nothing proves llama-server is the process kvproxy learned its facts from (the
         connection of the last fingerprint is closed): ``/slots`` tells (``instance.restarted``;
-        not asked again when this swap asked it already). A new process is learned afresh
-        before anything is planned, so no file goes to a server that cannot take it and no
-        slot id wraps onto another slot. Returns the slot's record and view from then on."""
+        its answer is the slot's view too, and it is not asked again when this swap asked it
+        already). A new process is learned afresh before anything is planned, so no file goes
+        to a server that cannot take it and no slot id wraps onto another slot. Returns the
+        slot's record and view from then on."""
+        if view == plan.UNASKED:
+            view = self.slot_view(state, slot)  # reads /slots unless the slot is unproven
         if self.executor.listed_at < since:
             try:
                 self.executor.slot_entry(slot)
