@@ -38,6 +38,7 @@ class FakeLlama:
         self.held = [0] * n_slots   # tokens each slot holds
         self.tasks: dict[int, int] = {}  # per slot, the id of the last task it ran
         self.last_task = 0
+        self.restarted = False  # since restart(), a slot lists id_task once a task ran there
         self.n_ctx = n_ctx          # per slot
         self.props = copy.deepcopy(PROPS)
         self.props["total_slots"] = n_slots
@@ -103,7 +104,7 @@ class FakeLlama:
         """As llama-server started again (``n_slots``: with another -np): every slot empty,
         task ids from 0."""
         n_slots = n_slots or len(self.held)
-        self.held, self.tasks, self.last_task = [0] * n_slots, {}, 0
+        self.held, self.tasks, self.last_task, self.restarted = [0] * n_slots, {}, 0, True
         self.props["total_slots"] = n_slots
 
     def _prefill(self, request):
@@ -117,9 +118,10 @@ class FakeLlama:
             "predicted_n": 0}})
 
     def slot_entry(self, slot: int = 0) -> dict:
-        """As llama-server lists it: no id_task until a task ran since start (a slot given
-        tokens otherwise, by a test or a restore, shows task 0)."""
-        if self.held[slot] == 0 and slot not in self.tasks:
+        """As llama-server lists it, task ids counting up from its start; tests give slots
+        tokens without tasks, so until ``restart`` every slot lists one (0 by default), and
+        after it only a slot that ran a task or holds tokens."""
+        if self.restarted and self.held[slot] == 0 and slot not in self.tasks:
             return {"id": slot, "n_ctx": self.n_ctx, "is_processing": False}
         return {"id": slot, "n_ctx": self.n_ctx, "is_processing": False,
                 "id_task": self.tasks.get(slot, 0), "n_prompt_tokens": self.held[slot]}

@@ -122,7 +122,8 @@ class SlotExecutor:
         listed = instance.of_listing(slots)
         self.restart = instance.restarted(self.listed, listed) or self.restart
         self.listed, self.listed_at = listed or self.listed, time.monotonic()
-        self.entries = {e["id"]: e for e in slots if isinstance(e, dict) and isinstance(e.get("id"), int)}
+        self.entries = {e["id"]: e for e in slots
+                        if isinstance(e, dict) and isinstance(e.get("id"), int)}
         if listed is not None:
             self.n_ctx = {id_: int(e["n_ctx"]) for id_, e in self.entries.items() if e.get("n_ctx")}
         return self.entries.get(slot)
