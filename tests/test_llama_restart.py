@@ -128,3 +128,14 @@ def test_the_same_process_seen_again_is_not_probed(mock, tmp_path, probed):
     assert answer(switch, A, fake).cache == "hit"
     answer(switch, C, fake)
     assert probed == []
+
+
+def test_a_configured_slot_id_past_the_new_slot_count_is_reported(mock, tmp_path, probed,
+                                                                   caplog):
+    fake = probed.fake = FakeLlama(mock, tmp_path, n_slots=2)
+    switch = switch_over(tmp_path, slots=1, slot_id=1)
+    answer(switch, A, fake)
+    fake.restart(n_slots=1)
+    switch.release(switch.acquire(B))
+    assert switch.slot_ids() == [1]
+    assert "KVPROXY_SLOT_ID=1, but llama-server now has 1 slot(s)" in caplog.text

@@ -426,6 +426,9 @@ class SlotSwitch:
             self.configured_slots, self.slot_id, total)
         log.warning("llama-server restarted (%s): learning it again; driving slot(s) %s (was %s)",
                     reason, self.slot_ids(), old)
+        if total is not None and self.slot_id >= total and self.configured_slots == 1:
+            log.error("KVPROXY_SLOT_ID=%d, but llama-server now has %d slot(s): it wraps the id "
+                      "onto another slot; set KVPROXY_SLOT_ID below %d", self.slot_id, total, total)
         if total is not None:
             def gone(table: dict[int, SlotState]) -> None:
                 for slot, state in table.items():
