@@ -23,7 +23,7 @@ from pathlib import Path
 
 import requests
 
-from bench.soak import files_match_sidecars
+from bench.readings import files_match_sidecars
 from kvproxy.launch.processes import LlamaServer, ProxyServer
 
 VICTIMS = ("llama-server", "kvproxy", "both")
