@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import requests
@@ -35,17 +36,21 @@ def scrape_metrics(url: str) -> dict:
     return out
 
 
-def sidecars(slot_dir: Path) -> list[dict]:
-    """The figures of every sidecar in the slot folder, by file name."""
-    rows = []
+def sidecar_files(slot_dir: Path) -> Iterator[tuple[Path, dict]]:
+    """Every sidecar of the slot folder that reads as a JSON object, with its path, by name."""
     for path in sorted(slot_dir.glob("*.json")):
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(data, dict) and "stem" in data:
-            rows.append({k: data.get(k) for k in SIDECAR_FIELDS})
-    return rows
+        if isinstance(data, dict):
+            yield path, data
+
+
+def sidecars(slot_dir: Path) -> list[dict]:
+    """The figures of every sidecar in the slot folder, by file name."""
+    return [{k: data.get(k) for k in SIDECAR_FIELDS} for _, data in sidecar_files(slot_dir)
+            if "stem" in data]
 
 
 def files_match_sidecars(slot_dir: Path) -> list[str]:
