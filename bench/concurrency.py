@@ -17,7 +17,6 @@ tokens and to check that no conversation ran in another's cache (bench/concurren
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import random
 import threading
@@ -26,13 +25,13 @@ from pathlib import Path
 
 import requests
 
-from kvproxy.launch.processes import LlamaServer
 from kvproxy.launch.serve import llama_layout
 
 from . import batched, micro, slot_overhead
 from . import concurrency_stats as stats
 from .client import stream_chat, templated_tokens, tokenize
 from .procs import Mode, cpu_used
+from .readings import scrape_metrics, sidecars
 from .workload import WORDS, text_of_tokens
 
 # llama-server's own defaults, written out so the last flag wins over anything before it.
@@ -110,40 +109,27 @@ def scaled_cache_ram(metadata: dict, gib: float,
             "mib": max(1, round(tokens * per_token / 1024 ** 2))}
 
 
-def llama_options(direct: bool, slots: int, slot_ctx: int,
-                  accepts_slots: bool | None = None, proxy_cache_ram: int | None = None,
+def llama_options(direct: bool, slots: int, slot_ctx: int, proxy_cache_ram: int | None = None,
                   cache_ram_cap: int | None = None) -> dict:
     """LlamaServer keyword arguments for a mode.
 
     Straight llama-server keeps its own defaults for slot choice and RAM cache. Behind
-    kvproxy, llama-server is started the way kvproxy starts it: ``LlamaServer(slots=N)``
-    where that exists, else the same flags by hand (the last ``-np`` on the command
-    line wins), with the ``--cache-ram`` that ``make run`` picks for that many slots (off
-    with several, kvproxy.launch.serve.llama_layout). ``proxy_cache_ram`` (MiB) replaces it.
+    kvproxy, llama-server is started the way kvproxy starts it, ``LlamaServer(slots=N)``,
+    with the ``--cache-ram`` that ``make run`` picks for that many slots (off with several,
+    kvproxy.launch.serve.llama_layout). ``proxy_cache_ram`` (MiB) replaces it.
     ``cache_ram_cap`` (MiB, the scaled-RAM scenario) bounds every mode's RAM cache.
     """
-    options = _llama_options(direct, slots, slot_ctx, accepts_slots, proxy_cache_ram)
-    if cache_ram_cap is not None:
-        options["cache_ram_mib"] = min(options["cache_ram_mib"], cache_ram_cap)
-    return options
-
-
-def _llama_options(direct: bool, slots: int, slot_ctx: int, accepts_slots: bool | None,
-                   proxy_cache_ram: int | None) -> dict:
-    if accepts_slots is None:
-        accepts_slots = "slots" in inspect.signature(LlamaServer).parameters
     options: dict = {"ctx_size": slots * slot_ctx}
     if direct:
         options["cache_ram_mib"] = LLAMA_DEFAULT_CACHE_RAM_MIB
         options["extra_args"] = ["-np", str(slots), "--slot-prompt-similarity",
                                  LLAMA_DEFAULT_SIMILARITY]
-        return options
-    options["cache_ram_mib"] = llama_layout({"LLAMA_SLOTS": str(slots)})[2] \
-        if proxy_cache_ram is None else proxy_cache_ram
-    if accepts_slots:
-        options["slots"] = slots
     else:
-        options["extra_args"] = ["-np", str(slots), "--slot-prompt-similarity", "0"]
+        options["cache_ram_mib"] = llama_layout({"LLAMA_SLOTS": str(slots)})[2] \
+            if proxy_cache_ram is None else proxy_cache_ram
+        options["slots"] = slots
+    if cache_ram_cap is not None:
+        options["cache_ram_mib"] = min(options["cache_ram_mib"], cache_ram_cap)
     return options
 
 
@@ -271,7 +257,6 @@ def account(recorder: Recorder, users: list[User], llama_url: str) -> None:
 
 def base_snapshot_tokens(slot_dir: Path) -> int:
     """Prompt tokens kvproxy computed for system-prompt snapshots, outside request timings."""
-    from .run import sidecars   # run.py imports this module
     return sum(int(s.get("prefill_computed") or 0) for s in sidecars(slot_dir)
                if s.get("kind") == "base")
 
@@ -331,7 +316,6 @@ def recorded_overhead(results_dir: Path) -> dict | None:
 def run_scenario(settings: dict, work: Path, log, record: dict) -> None:
     """Every group of users against every mode; fills ``record`` as it goes, so an
     interruption keeps what was measured. A mode that fails is recorded and skipped."""
-    from .run import scrape_metrics   # run.py imports this module
     slots, skip = settings["slots"], settings["skip"]
     plan = mode_plan(slots)
     record.update(groups=[], overhead={}, mode_labels={k: plan[k][0] for k in settings["modes"]},

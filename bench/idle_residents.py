@@ -35,11 +35,10 @@ import requests
 from kvproxy.launch.processes import LlamaServer
 
 from .client import CONNECT_TIMEOUT
-from .models import machine
+from .readings import cores_and_load
+from .report import RESULTS
 from .workload import text_of_tokens
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
 READ_TIMEOUT = 600            # one request or slot action, however loaded the machine
 LAYOUTS = {"separate": ("kvproxy's: -np 4, a KV stream per slot", []),
            "unified": ("--kv-unified: one KV pool for the 4 slots", ["--kv-unified"])}
@@ -237,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         for layout in args.layouts.split(","):
             run["layouts"][layout] = measure_layout(layout, Path(work), texts, args)
     run["duration_s"] = round(time.monotonic() - started, 1)
-    run["machine"] = machine()
+    run["machine"] = cores_and_load()
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.name}.json").write_text(json.dumps(run, indent=2) + "\n", encoding="utf-8")
     (RESULTS / f"{args.name}.md").write_text(report(run) + "\n", encoding="utf-8")

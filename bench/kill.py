@@ -11,7 +11,6 @@ file must match its sidecar. Prints one line a round and the figures.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import requests
 
-from bench.soak import files_match_sidecars
+from bench.readings import files_match_sidecars, sidecar_files
 from kvproxy.launch.processes import LlamaServer, ProxyServer
 
 VICTIMS = ("llama-server", "kvproxy", "both")
@@ -69,14 +68,8 @@ class Conversation:
 
 def saved_tokens(slot_dir: Path, session: str) -> int:
     """Tokens of the session's file, as its sidecar says (0 without one)."""
-    for path in slot_dir.glob("*.json"):
-        try:
-            sidecar = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if sidecar.get("session_id") == f"{session}" and sidecar.get("saved_at"):
-            return int(sidecar.get("n_tokens") or 0)
-    return 0
+    return next((int(sidecar.get("n_tokens") or 0) for _, sidecar in sidecar_files(slot_dir)
+                 if sidecar.get("session_id") == session and sidecar.get("saved_at")), 0)
 
 
 def wait_saved(slot_dir: Path, session: str, at_least: int, timeout: float = 60) -> float:

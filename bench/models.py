@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import tempfile
 import threading
 import time
@@ -33,12 +32,10 @@ from kvproxy.launch.processes import LlamaServer, bundled_model, swa_model
 
 from .client import CONNECT_TIMEOUT
 from .procs import Proxy
-from .report import update_page
+from .readings import cores_and_load
+from .report import PAGE, RESULTS, update_page
 from .workload import long_text
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
-PAGE = ROOT / "docs" / "benchmark.md"
 START, END = "<!-- bench-models:start -->", "<!-- bench-models:end -->"
 MAX_TOKENS = 4
 READ_TIMEOUT = 300       # one request, however slow the machine
@@ -266,15 +263,6 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def machine() -> dict:
-    try:
-        load = [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        load = []
-    return {"cores": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
-            "loadavg": load}
-
-
 def page_section(run: dict) -> str:
     m = run["machine"]
     return "\n".join([
@@ -335,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{args.words_router}-word system prompts ...", flush=True)
                 rows += measure_router(Path(work), args.words_router)
                 print("\n".join(json.dumps(r) for r in rows[-2:]), flush=True)
-        run = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "rows": rows,
+        run = {"date": time.strftime("%Y-%m-%d"), "machine": cores_and_load(), "rows": rows,
                "words_swa": args.words_swa, "words_router": args.words_router,
                "max_tokens": MAX_TOKENS}
     print(table(run["rows"]))

@@ -11,15 +11,13 @@ from pathlib import Path
 
 from kvproxy.launch.processes import LlamaServer, ProxyServer
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 class Proxy(ProxyServer):
     """kvproxy under gunicorn, plus what the memory figures need: its worker's pid."""
 
-    def __init__(self, upstream: str, slot_dir: str, log_path: str, port: int | None = None,
+    def __init__(self, upstream: str, slot_dir: str, log_path: str,
                  env: dict[str, str] | None = None, wsgi_app: str = "wsgi:app"):
-        super().__init__(upstream, slot_dir, port=port, log_path=log_path, wsgi_app=wsgi_app,
+        super().__init__(upstream, slot_dir, log_path=log_path, wsgi_app=wsgi_app,
                          env={"KVPROXY_LOCK_TIMEOUT": "300", "KVPROXY_LOG_LEVEL": "INFO",
                               **(env or {})})
 

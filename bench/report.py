@@ -5,6 +5,9 @@ import os
 import statistics
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"   # raw figures, plots and generated sections
+PAGE = ROOT / "docs" / "benchmark.md"
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 REUSE_TARGET = 0.95

@@ -38,11 +38,10 @@ import requests
 
 from . import concurrency, concurrency_report, micro, report, swap_cost
 from .concurrency_stats import targets as concurrency_targets
-from .procs import ROOT, Mode, Proxy
+from .procs import Mode, Proxy
+from .readings import loadavg, machine, scrape_metrics, sidecars
+from .report import PAGE, RESULTS, ROOT
 from .workload import account_tokens, build_conversations, run_workload
-
-RESULTS = ROOT / "bench" / "results"
-PAGE = ROOT / "docs" / "benchmark.md"
 
 
 def page_link(path: Path) -> str:
@@ -128,9 +127,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--read-timeout", type=float, default=600,
                    help="seconds a request may stay silent (prefill included)")
     p.add_argument("--name", help="results file name (default: latest, quick: quick)")
-    p.add_argument("--page", "--readme", dest="page", action="store_true", default=None,
+    p.add_argument("--page", dest="page", action="store_true", default=None,
                    help="rewrite the section of docs/benchmark.md (default for full runs)")
-    p.add_argument("--no-page", "--no-readme", dest="page", action="store_false")
+    p.add_argument("--no-page", dest="page", action="store_false")
     p.add_argument("--from-json", help="only re-render the report, plot and page section from "
                    "a results JSON file (no processes are started)")
     p.add_argument("--strict", action="store_true", help="exit with status 3 when a target fails")
@@ -203,61 +202,6 @@ def concurrency_settings(args: argparse.Namespace) -> dict:
 def command_line(argv: list[str] | None) -> str:
     args = sys.argv[1:] if argv is None else argv
     return " ".join(["python -m bench.run", *args]).strip()
-
-
-def machine() -> dict:
-    info = {"cores": os.cpu_count(), "cpu": None, "ram_gib": None, "kernel": os.uname().release,
-            "python": sys.version.split()[0]}
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8", errors="replace"):
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
-        for line in open("/proc/meminfo", encoding="utf-8"):
-            if line.startswith("MemTotal:"):
-                info["ram_gib"] = round(int(line.split()[1]) / 1024 / 1024, 1)
-                break
-    except OSError:
-        pass
-    return info
-
-
-def loadavg() -> list[float]:
-    try:
-        return [float(x) for x in open("/proc/loadavg").read().split()[:3]]
-    except OSError:
-        return []
-
-
-def scrape_metrics(url: str) -> dict:
-    """A few kvproxy counters from /metrics, summed by family and label."""
-    from prometheus_client.parser import text_string_to_metric_families
-    wanted = ("kvproxy_swaps_total", "kvproxy_swap_bytes_total", "kvproxy_prompt_tokens_total",
-              "kvproxy_restore_misses_total", "kvproxy_swap_seconds_sum", "kvproxy_swap_seconds_count",
-              "kvproxy_lock_wait_seconds_sum", "kvproxy_slot_dir_bytes", "kvproxy_slot_dir_files",
-              "kvproxy_evictions_total")
-    out: dict = {}
-    text = requests.get(url + "/metrics", timeout=10).text
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name in wanted:
-                label = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-                out[s.name + (f"{{{label}}}" if label else "")] = s.value
-    return out
-
-
-def sidecars(slot_dir: Path) -> list[dict]:
-    rows = []
-    for path in sorted(slot_dir.glob("*.json")):
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict) and "stem" in data:
-            rows.append({k: data.get(k) for k in ("stem", "kind", "n_tokens", "n_bytes", "save_ms",
-                                                  "restore_ms", "restores", "hits", "last_cache",
-                                                  "prefill_computed")})
-    return rows
 
 
 def _interrupt(*_args) -> None:

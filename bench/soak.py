@@ -34,6 +34,7 @@ from pathlib import Path
 import requests
 
 from bench.procs import Proxy
+from bench.readings import files_match_sidecars
 from bench.workload import long_text
 from kvproxy.sessions.identity import normalise_id
 from kvproxy.launch.processes import LlamaServer
@@ -355,21 +356,6 @@ class Soak:
 def process_counts(pid: int) -> tuple[int, int]:
     """Threads and open file descriptors of a process."""
     return len(os.listdir(f"/proc/{pid}/task")), len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def files_match_sidecars(slot_dir: Path) -> list[str]:
-    """Slot files without a sidecar, or whose size is not what llama-server said it wrote."""
-    problems = []
-    for path in sorted(slot_dir.glob("*.bin")):
-        sidecar_path = path.with_suffix(".json")
-        if not sidecar_path.exists():
-            problems.append(f"{path.name}: no sidecar")
-            continue
-        sidecar = json.loads(sidecar_path.read_text())
-        expected = sidecar.get("n_bytes")
-        if expected is not None and expected != path.stat().st_size:
-            problems.append(f"{path.name}: {path.stat().st_size} bytes, sidecar says {expected}")
-    return problems
 
 
 def slot_is_free(proxies: list[str], llama_url: str) -> list[str]:

@@ -16,7 +16,6 @@ llama-server's own restore time is printed beside it.
 """
 from __future__ import annotations
 
-import json
 import re
 import statistics
 import time
@@ -26,11 +25,13 @@ import requests
 
 from .client import stream_chat
 from .procs import Mode
+from .readings import sidecar_files
 from .workload import text_of_tokens
 
 SWAP_LINE = re.compile(r"swap to session=(?P<session>\S+) source=\S+ cache=(?P<cache>\S+) "
                        r".*?swap_ms=(?P<swap_ms>[\d.]+)")
 TARGET_RATIO = 1.15
+SESSION_TIMES = ("restores", "restore_ms", "save_ms", "saved_at", "saved_bytes")
 SETTINGS = {"on": {"KVPROXY_SAVE_BEHIND": "true"}, "off": {"KVPROXY_SAVE_BEHIND": "false"}}
 
 
@@ -42,17 +43,8 @@ def swap_lines(log_text: str) -> list[dict]:
 
 def sidecar_times(slot_dir: Path) -> dict[str, dict]:
     """stem -> restores, restore_ms, save_ms, saved_at of every session file."""
-    out = {}
-    for path in slot_dir.glob("*.json"):
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict) and data.get("kind") == "session":
-            out[data.get("stem") or path.stem] = {k: data.get(k) for k in
-                                                  ("restores", "restore_ms", "save_ms", "saved_at",
-                                                   "saved_bytes")}
-    return out
+    return {data.get("stem") or path.stem: {k: data.get(k) for k in SESSION_TIMES}
+            for path, data in sidecar_files(slot_dir) if data.get("kind") == "session"}
 
 
 def changed(before: dict[str, dict], after: dict[str, dict], field: str) -> list[dict]:

@@ -100,11 +100,6 @@ class Turn:
     prompt_tokens_checked: int | None = None   # len(template + tokenize) of the same messages
     min_new_tokens: int | None = None          # what a perfect prefix cache would compute
 
-    @property
-    def reuse_share(self) -> float:
-        total = self.prompt_n + self.cache_n
-        return self.cache_n / total if total else 0.0
-
 
 @dataclass
 class WorkloadResult:

@@ -162,17 +162,16 @@ def test_targets_without_an_even_group_are_not_measured():
 
 
 def test_mode_options_pin_behind_kvproxy_and_keep_llama_defaults_straight():
-    straight = concurrency.llama_options(True, 4, 4096, accepts_slots=True)
+    straight = concurrency.llama_options(True, 4, 4096)
     assert straight["ctx_size"] == 16384 and "slots" not in straight
     assert straight["extra_args"] == ["-np", "4", "--slot-prompt-similarity", "0.1"]
     assert straight["cache_ram_mib"] == 8192
     # behind kvproxy: the RAM cache make run picks (off with several slots, on with one)
-    assert concurrency.llama_options(False, 4, 4096, accepts_slots=True) == \
+    assert concurrency.llama_options(False, 4, 4096) == \
         {"ctx_size": 16384, "slots": 4, "cache_ram_mib": 0}
-    assert concurrency.llama_options(False, 1, 4096, accepts_slots=False) == \
-        {"ctx_size": 4096, "extra_args": ["-np", "1", "--slot-prompt-similarity", "0"],
-         "cache_ram_mib": 16384}
-    assert concurrency.llama_options(False, 4, 4096, accepts_slots=True, proxy_cache_ram=0) == \
+    assert concurrency.llama_options(False, 1, 4096) == \
+        {"ctx_size": 4096, "slots": 1, "cache_ram_mib": 16384}
+    assert concurrency.llama_options(False, 4, 4096, proxy_cache_ram=0) == \
         {"ctx_size": 16384, "slots": 4, "cache_ram_mib": 0}
     assert concurrency.llama_options(True, 4, 4096, proxy_cache_ram=0)["cache_ram_mib"] == 8192
 

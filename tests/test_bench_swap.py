@@ -85,11 +85,9 @@ def test_scaled_cache_ram_holds_as_many_tokens_as_16_gib_of_a_70b_model():
 
 def test_cache_ram_cap_bounds_every_mode():
     assert concurrency.llama_options(True, 4, 1024, cache_ram_cap=1152)["cache_ram_mib"] == 1152
-    assert concurrency.llama_options(False, 1, 1024, accepts_slots=True,
-                                     cache_ram_cap=1152)["cache_ram_mib"] == 1152
+    assert concurrency.llama_options(False, 1, 1024, cache_ram_cap=1152)["cache_ram_mib"] == 1152
     # kvproxy with several slots keeps llama-server's RAM cache off
-    assert concurrency.llama_options(False, 4, 1024, accepts_slots=True,
-                                     cache_ram_cap=1152)["cache_ram_mib"] == 0
+    assert concurrency.llama_options(False, 4, 1024, cache_ram_cap=1152)["cache_ram_mib"] == 0
 
 
 def test_arguments_of_the_new_scenarios():
