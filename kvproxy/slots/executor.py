@@ -2,9 +2,9 @@
 
 The thin side of the switch: every method takes the slot it acts on, which the
 caller holds (``SlotPool``), and performs I/O without deciding anything the
-plan decides. Files go through the store (``storage.session_files``). It also keeps what this
-process knows about each slot beyond the state file: which slots a failed swap
-left uncertain, the slots' sizes from ``/slots``, and the connection to
+plan decides. Saved files go through the store (``storage.session_files``). It
+also keeps what this process knows about each slot beyond the state file: which
+slots a failed swap left uncertain, the slots' sizes from ``/slots``, and the connection to
 llama-server that existed when each slot was last recorded (its "witness").
 """
 from __future__ import annotations
@@ -389,8 +389,8 @@ class SlotExecutor:
                 saved_bytes=size, save_ms=round(save_ms, 2), saved_at=now_iso(),
                 saved_from_slot=slot, refused=None, refused_by=None)
         try:
-            sidecar = self.files.save(stem, functools.partial(self.client.slot_action, slot, "save"),
-                                      describe,
+            write = functools.partial(self.client.slot_action, slot, "save")  # (file name)
+            sidecar = self.files.save(stem, write, describe,
                                       lambda n_saved: plan.saved_as_recorded(n_saved, tokens))
         except UpstreamUnavailable as exc:
             log.warning("could not save session %s: %s", session_id, exc)
