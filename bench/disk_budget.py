@@ -10,7 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvproxy.storage.disk import DiskBudget
+from kvproxy.storage.budget import DiskBudget
 from kvproxy.storage.store import SessionStore, now_iso
 
 

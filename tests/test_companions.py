@@ -9,7 +9,7 @@ import pytest
 from kvproxy.ops.metrics import slot_folder_usage
 from kvproxy.sessions.identity import Session, file_stem
 from kvproxy.slots.switch import RESTORED
-from kvproxy.storage import disk, model_names
+from kvproxy.storage import checked_save, quarantine, sweep, model_names
 from kvproxy.storage.store import SessionStore
 from tests.fake_llama import MODEL, make_switch, stem_of
 
@@ -72,7 +72,7 @@ def test_a_save_without_a_companion_removes_the_old_files_companion(tmp_path, ck
     turn(switch, B, ckpt_fake)
     assert not (tmp_path / f"{A.stem}.bin{CKPT}").exists()
     assert switch.store.read_sidecar(A.stem)["companions"] == {}
-    assert disk.size_problem(switch.store, A.stem, switch.store.read_sidecar(A.stem)) is None
+    assert quarantine.size_problem(switch.store, A.stem, switch.store.read_sidecar(A.stem)) is None
 
 
 def test_a_failed_save_removes_its_temporary_companion_and_keeps_the_old_one(
@@ -89,9 +89,9 @@ def test_a_missing_or_changed_companion_does_not_match_its_sidecar(tmp_path, ckp
     switch = saved_a(tmp_path, ckpt_fake)
     store, companion = switch.store, tmp_path / f"{A.stem}.bin{CKPT}"
     companion.write_bytes(b"ckpt")
-    assert "companion" in disk.size_problem(store, A.stem, store.read_sidecar(A.stem))
+    assert "companion" in quarantine.size_problem(store, A.stem, store.read_sidecar(A.stem))
     companion.unlink()
-    assert "missing" in disk.size_problem(store, A.stem, store.read_sidecar(A.stem))
+    assert "missing" in quarantine.size_problem(store, A.stem, store.read_sidecar(A.stem))
 
 
 # -- deletion, quarantine, the sweep -------------------------------------------------
@@ -104,7 +104,7 @@ def test_deleting_a_session_file_deletes_its_companion(tmp_path, ckpt_fake):
 def test_quarantine_moves_the_companion_with_its_file(tmp_path, ckpt_fake):
     switch = saved_a(tmp_path, ckpt_fake)
     (tmp_path / f"{A.stem}.bin").write_bytes(b"ggsq")          # cut short
-    done = disk.sweep(SessionStore(tmp_path))
+    done = sweep.sweep(SessionStore(tmp_path))
     assert any("quarantine" in line for line in done), done
     assert not list(tmp_path.glob(f"{A.stem}.bin*"))
     moved = list((tmp_path / "quarantine").glob(f"{A.stem}.*.bin{CKPT}"))
@@ -120,14 +120,14 @@ def test_sweep_deletes_leftover_and_orphaned_companions_and_keeps_good_ones(
     (tmp_path / f"{B.stem}.saving.bin{CKPT}").write_bytes(b"alone")   # its file never came
     (tmp_path / f"probe.0123456789abcdef.bin{CKPT}").write_bytes(b"ckpt")
     (tmp_path / f"gone@{MODEL}.bin{CKPT}").write_bytes(b"orphan")     # its file is gone
-    done = disk.sweep(SessionStore(tmp_path))
+    done = sweep.sweep(SessionStore(tmp_path))
     names = {p.name for p in tmp_path.iterdir()}
     assert f"{A.stem}.bin{CKPT}" in names, "a good file's companion stays"
     assert not {f"{A.stem}.saving.bin{CKPT}", f"{B.stem}.saving.bin{CKPT}",
                 f"probe.0123456789abcdef.bin{CKPT}", f"gone@{MODEL}.bin{CKPT}"} & names, names
     assert any(f"gone@{MODEL}.bin{CKPT}" in line and "is gone" in line for line in done), done
     assert any(f"leftover temporary file {B.stem}.saving.bin{CKPT}" in line for line in done), done
-    assert disk.sweep(SessionStore(tmp_path)) == [], "nothing left to do"
+    assert sweep.sweep(SessionStore(tmp_path)) == [], "nothing left to do"
 
 
 def test_an_interrupted_save_is_finished_with_its_companion(tmp_path, ckpt_fake):
@@ -135,23 +135,23 @@ def test_an_interrupted_save_is_finished_with_its_companion(tmp_path, ckpt_fake)
     the stale companion of the old file is replaced."""
     switch = saved_a(tmp_path, ckpt_fake)
     turn(switch, A, ckpt_fake, tokens=40)
-    real_move = disk.move_companions
+    real_move = checked_save.move_companions
 
     def killed(*args, **kwargs):
         raise SystemExit("killed")
-    disk.move_companions = killed
+    checked_save.move_companions = killed
     try:
         with pytest.raises(SystemExit):
             switch.acquire(B)
     finally:
-        disk.move_companions = real_move
+        checked_save.move_companions = real_move
     assert ckpt_tokens(tmp_path / f"{A.stem}.bin{CKPT}") == 12, "the old companion, for now"
-    done = disk.sweep(SessionStore(tmp_path))
+    done = sweep.sweep(SessionStore(tmp_path))
     assert any("finished the interrupted save" in line for line in done), done
     store = SessionStore(tmp_path)
     assert store.read_sidecar(A.stem)["n_tokens"] == 40
     assert ckpt_tokens(tmp_path / f"{A.stem}.bin{CKPT}") == 40
-    assert disk.size_problem(store, A.stem, store.read_sidecar(A.stem)) is None
+    assert quarantine.size_problem(store, A.stem, store.read_sidecar(A.stem)) is None
     assert not list(tmp_path.glob("*.saving.bin*"))
 
 
@@ -205,7 +205,7 @@ def test_start_up_renames_a_files_companion_with_it(tmp_path):
     new = stem_of("A")
     assert (tmp_path / f"{new}.bin{CKPT}").read_bytes() == b"ckpt"
     assert not (tmp_path / f"{old}.bin{CKPT}").exists()
-    assert disk.sweep(store) == [], "nothing orphaned"
+    assert sweep.sweep(store) == [], "nothing orphaned"
 
 
 def test_a_rename_interrupted_before_the_companion_moved_is_finished(tmp_path, caplog):
@@ -220,7 +220,7 @@ def test_a_rename_interrupted_before_the_companion_moved_is_finished(tmp_path, c
     (tmp_path / f"{old}.bin{CKPT}").write_bytes(b"ckpt")
     with caplog.at_level(logging.INFO):
         model_names.tag_old_files(store)
-        disk.sweep(store)
+        sweep.sweep(store)
     assert (tmp_path / f"{new}.bin{CKPT}").read_bytes() == b"ckpt"
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == \
         [f"{new}.bin", f"{new}.bin{CKPT}", f"{new}.json"]

@@ -9,8 +9,8 @@ import pytest
 import responses
 
 from kvproxy import create_app
-from kvproxy.storage import disk, store as store_module
-from kvproxy.storage.disk import Entry, plan_eviction
+from kvproxy.storage import budget, checked_save, quarantine, sweep, store as store_module
+from kvproxy.storage.budget import Entry, plan_eviction
 from kvproxy.sessions.identity import Session, base_stem
 from kvproxy.upstream.llama import LlamaClient
 from kvproxy.storage.store import SIDECAR_FORMAT, SessionStore, StorageError
@@ -56,7 +56,7 @@ def test_a_failed_save_keeps_the_old_file_and_the_swap_goes_ahead(tmp_path, fake
     lease = turn(switch, B, fake)
     assert (lease.cache, lease.restored_tokens) == (RESTORED, 12)
     assert (tmp_path / f"{A.stem}.bin").read_bytes() == good
-    assert disk.size_problem(switch.store, A.stem, switch.store.read_sidecar(A.stem)) is None
+    assert quarantine.size_problem(switch.store, A.stem, switch.store.read_sidecar(A.stem)) is None
     assert not list(tmp_path.glob("*.saving.bin")), "the temporary file is removed"
     assert metric("kvproxy_saves_dropped_total", kind="session") == dropped + 1
     assert switch.budget.dropped.count == 1 and switch.budget.dropped.last["session_id"] == "A"
@@ -74,7 +74,7 @@ def full_disk_on(suffix, monkeypatch):
         if str(src).endswith(suffix):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_replace(src, dst)
-    monkeypatch.setattr(disk.os, "replace", full_disk)
+    monkeypatch.setattr(checked_save.os, "replace", full_disk)
 
 
 CLIENTS = (("/v1/chat/completions", OPENAI_BODY, "openai"),
@@ -140,7 +140,7 @@ def test_a_sidecar_that_cannot_be_written_keeps_file_and_sidecar_together(tmp_pa
     def no_space(path, data):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(disk, "write_json_beside", no_space)
+    monkeypatch.setattr(checked_save, "write_json_beside", no_space)
     assert turn(switch, B, fake).cache == RESTORED
     monkeypatch.undo()
     assert (tmp_path / f"{A.stem}.bin").read_bytes() == good
@@ -165,7 +165,7 @@ def test_a_sidecar_rename_that_fails_removes_file_and_sidecar_together(tmp_path,
             raise OSError(errno.EIO, "Input/output error")
         return real_replace(src, dst)
 
-    monkeypatch.setattr(disk.os, "replace", sidecar_rename_fails)
+    monkeypatch.setattr(checked_save.os, "replace", sidecar_rename_fails)
     assert turn(switch, B, fake).cache == RESTORED
     monkeypatch.undo()
     assert not switch.store.has_bin(A.stem) and switch.store.read_sidecar(A.stem) is None
@@ -317,7 +317,7 @@ def test_sweep_removes_leftovers_and_moves_orphans_aside(tmp_path, fake):
     (tmp_path / f".{A.stem}.json.x1y2.tmp").write_text("{")
     (tmp_path / "stray.bin").write_bytes(b"not ours")
     (tmp_path / f"{B.stem}.bin").unlink()      # B's sidecar now claims a file that is gone
-    done = disk.sweep(SessionStore(tmp_path))
+    done = sweep.sweep(SessionStore(tmp_path))
     names = {p.name for p in tmp_path.iterdir()}
     assert f"{A.stem}.bin" in names and f"{A.stem}.json" in names, "a good file stays"
     assert not {f"{A.stem}.saving.bin", "probe.0123456789abcdef.bin", f".{A.stem}.json.x1y2.tmp",
@@ -473,16 +473,16 @@ def test_free_space_reserve_evicts_or_refuses(tmp_path, fake, monkeypatch):
 
 def test_the_free_space_kept_is_at_most_a_tenth_of_a_small_disk(tmp_path, fake, monkeypatch):
     """KVPROXY_MIN_FREE_GB=1 on a 100 MB disk with 50 MB free: saves go on (10 MB kept free)."""
-    switch = make_switch(tmp_path, min_free_bytes=disk.GB)
-    usage = {"free": 50 * disk.MB, "total": 100 * disk.MB}
-    monkeypatch.setattr(disk.shutil, "disk_usage",
+    switch = make_switch(tmp_path, min_free_bytes=budget.GB)
+    usage = {"free": 50 * budget.MB, "total": 100 * budget.MB}
+    monkeypatch.setattr(budget.shutil, "disk_usage",
                         lambda path: shutil_usage(usage["total"], usage["free"]))
-    assert switch.budget.floor() == 10 * disk.MB
+    assert switch.budget.floor() == 10 * budget.MB
     turn(switch, A, fake)
     turn(switch, B, fake)
     assert switch.store.has_bin(A.stem) and switch.budget.dropped.count == 0
     assert switch.budget.problem() is None
-    usage["free"] = 9 * disk.MB                       # below the floor: reported
+    usage["free"] = 9 * budget.MB                       # below the floor: reported
     assert "less than the 10 MB kept free" in switch.budget.problem()
 
 
@@ -507,11 +507,11 @@ def test_sweep_deletes_a_sidecar_without_a_file_once_it_serves_no_session(tmp_pa
             "format": SIDECAR_FORMAT, "stem": stem, "created_at": now.isoformat(), **fields})
     sidecar("refused-gone", hits=0, refused="it has 3 bytes, its sidecar says 9")
     sidecar("in-use", session_id="u", hits=3, last_used_at=(now - timedelta(days=2)).isoformat())
-    sidecar("idle", session_id="i", hits=3, last_used_at=(now - timedelta(days=disk.IDLE_SIDECAR_DAYS + 1))
+    sidecar("idle", session_id="i", hits=3, last_used_at=(now - timedelta(days=sweep.IDLE_SIDECAR_DAYS + 1))
             .isoformat())
-    done = disk.sweep(store)
+    done = sweep.sweep(store)
     assert {p.stem for p in tmp_path.glob("*.json")} == {"in-use"}
     assert sorted(done) == [
         f"deleted idle.json: its session has no file and was last used "
-        f"{disk.IDLE_SIDECAR_DAYS + 1} days ago",
+        f"{sweep.IDLE_SIDECAR_DAYS + 1} days ago",
         "deleted refused-gone.json: it records neither a save nor a session"]

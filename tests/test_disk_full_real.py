@@ -12,7 +12,7 @@ import openai
 import pytest
 import requests
 
-from kvproxy.storage import disk
+from kvproxy.storage import quarantine
 from kvproxy.storage.store import SessionStore
 from tests.conftest import Stack, long_text
 
@@ -79,7 +79,7 @@ def test_two_sessions_alternating_on_a_disk_that_fills_keep_getting_answers(tmp_
         store = SessionStore(small_disk)
         for sidecar in store.sidecars():
             if sidecar.get("saved_at"):
-                assert disk.size_problem(store, sidecar["stem"], sidecar) is None, sidecar
+                assert quarantine.size_problem(store, sidecar["stem"], sidecar) is None, sidecar
         assert not list(small_disk.glob("*.saving.bin"))
         print("caches:", caches, "dropped:", shown["saves_dropped"],
               "free:", shown["free_bytes"], "kept free:", shown["kept_free_bytes"])

@@ -15,7 +15,7 @@ import responses
 from kvproxy.launch.processes import REPO_ROOT
 from kvproxy.sessions.identity import Session
 from kvproxy.slots.switch import RESTORED
-from kvproxy.storage import disk
+from kvproxy.storage import checked_save, quarantine, sweep
 from kvproxy.storage.store import SessionStore
 from tests.fake_llama import FakeLlama, make_switch, MODEL
 
@@ -26,7 +26,7 @@ CHILD = r"""
 import os, signal, sys
 from pathlib import Path
 import responses
-from kvproxy.storage import disk
+from kvproxy.storage import checked_save, quarantine, sweep
 from kvproxy.sessions.identity import Session
 from tests.fake_llama import MODEL, FakeLlama, make_switch
 
@@ -53,7 +53,7 @@ with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
     turn(switch, B, fake, {old})
     turn(switch, A, fake, {new})          # A's file holds {old} tokens, the slot {new}
     sidecar = switch.store.sidecar_path(A.stem)
-    real_beside, real_replace = disk.write_json_beside, os.replace
+    real_beside, real_replace = checked_save.write_json_beside, os.replace
 
     def beside(path, data):
         if point == "after the temporary file" and path == sidecar:
@@ -74,7 +74,7 @@ with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
 
     if point == "before the temporary file":
         fake.on_save = lambda name: die()
-    disk.write_json_beside = beside
+    checked_save.write_json_beside = beside
     os.replace = replace
     switch.acquire(B)                     # saves A: killed at the crash point
     print("saved")
@@ -110,13 +110,13 @@ def test_a_save_killed_at_any_step_restores_the_newest_complete_state(tmp_path, 
     else:
         assert result.returncode == -9, result.stderr
     store = SessionStore(tmp_path)
-    done = disk.sweep(store)
+    done = sweep.sweep(store)
     names = sorted(p.name for p in tmp_path.iterdir())
     assert not [n for n in names if n.endswith((".saving.bin", ".tmp"))], names
     assert not (tmp_path / "quarantine").exists(), (done, names)
     for sidecar in store.sidecars():
         if sidecar.get("saved_at"):
-            assert disk.size_problem(store, sidecar["stem"], sidecar) is None, (sidecar, names)
+            assert quarantine.size_problem(store, sidecar["stem"], sidecar) is None, (sidecar, names)
     assert store.read_sidecar(A.stem)["n_tokens"] == POINTS[point], done
     # A fresh process over the folder: llama-server has lost the slot, A comes from its file.
     with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
@@ -138,8 +138,8 @@ def test_a_temporary_sidecar_that_does_not_match_is_rolled_back(tmp_path, fake):
     store = SessionStore(tmp_path)
     (tmp_path / f"{A.stem}.saving.bin").write_bytes(b"ggsq" + bytes(NEW - 1))   # cut short
     written = dict(store.read_sidecar(A.stem), n_tokens=NEW, saved_bytes=NEW + 4)
-    disk.write_json_beside(store.sidecar_path(A.stem), written)
-    done = disk.sweep(store)
+    checked_save.write_json_beside(store.sidecar_path(A.stem), written)
+    done = sweep.sweep(store)
     assert not any("finished" in line for line in done), done
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(A.stem)) == \
         [f"{A.stem}.bin", f"{A.stem}.json"]
@@ -155,11 +155,11 @@ def test_a_save_with_a_companion_killed_at_any_step_keeps_file_and_companion_tog
     result = crash_save(tmp_path, point, ".ckpt")
     assert result.returncode == (0 if point == "not at all" else -9), result.stderr
     store = SessionStore(tmp_path)
-    done = disk.sweep(store)
+    done = sweep.sweep(store)
     names = sorted(p.name for p in tmp_path.iterdir())
     assert not [n for n in names if ".saving.bin" in n or n.endswith(".tmp")], names
     assert not (tmp_path / "quarantine").exists(), (done, names)
-    assert disk.size_problem(store, A.stem, store.read_sidecar(A.stem)) is None, (done, names)
+    assert quarantine.size_problem(store, A.stem, store.read_sidecar(A.stem)) is None, (done, names)
     assert store.read_sidecar(A.stem)["companions"] == {".ckpt": 4 + 2 * COMPANION_POINTS[point]}
     with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
         fake = FakeLlama(mock, tmp_path)

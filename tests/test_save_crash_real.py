@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from kvproxy.launch.processes import REPO_ROOT
-from kvproxy.storage import disk
+from kvproxy.storage import quarantine
 from kvproxy.storage.store import SessionStore
 from tests.conftest import Stack, long_text
 
@@ -91,7 +91,7 @@ def test_a_save_killed_between_its_renames_restores_the_newest_state(tmp_path):
         assert len(temps) == 1, "killed between the renames: the new sidecar is not in place"
         new_tokens = json.loads(temps[0].read_text())["n_tokens"]
         assert new_tokens > old_tokens
-        assert disk.size_problem(store, stem, store.read_sidecar(stem)), \
+        assert quarantine.size_problem(store, stem, store.read_sidecar(stem)), \
             "the old sidecar does not describe the new file"
 
         stack.llama.restart()                            # the slot is empty now
@@ -100,7 +100,7 @@ def test_a_save_killed_between_its_renames_restores_the_newest_state(tmp_path):
         assert not (stack.slot_dir / "quarantine").exists()
         for sidecar in store.sidecars():
             if sidecar.get("saved_at"):
-                assert disk.size_problem(store, sidecar["stem"], sidecar) is None, sidecar
+                assert quarantine.size_problem(store, sidecar["stem"], sidecar) is None, sidecar
         assert store.read_sidecar(stem)["n_tokens"] == new_tokens
 
         third = second + [{"role": "assistant", "content": reply.choices[0].message.content},

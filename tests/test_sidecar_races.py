@@ -19,7 +19,8 @@ from kvproxy.slots import plan
 from kvproxy.slots.executor import SlotExecutor
 from kvproxy.slots.plan import Restore, SwapFacts
 from kvproxy.slots.state import SlotState
-from kvproxy.storage import disk
+from kvproxy.storage import checked_save, quarantine
+from kvproxy.storage.folder import FolderFiles
 from kvproxy.storage.store import QUARANTINE_DIR, SIDECAR_FORMAT, SessionStore, write_json_atomic
 
 MADE_BY = {"model_path": "m.gguf", "n_ctx": 4096, "build_info": "b1"}
@@ -40,8 +41,8 @@ def saved(store: SessionStore, size: int = 10) -> None:
 
 
 def new_save(store: SessionStore, size: int = 20) -> dict:
-    """A newer save of the seed, checked and waiting to be put in place (``disk.install``)."""
-    disk.temp_path(store, SEED).write_bytes(b"n" * size)
+    """A newer save of the seed, checked and waiting to be put in place (``checked_save.install``)."""
+    checked_save.temp_path(store, SEED).write_bytes(b"n" * size)
     return sidecar(size, NEW)
 
 
@@ -56,7 +57,7 @@ def run_aside(target) -> threading.Thread:
 def the_new_save_is_whole(store: SessionStore) -> None:
     assert store.bin_path(SEED).read_bytes() == b"n" * 20
     assert store.read_sidecar(SEED)["saved_at"] == NEW
-    assert disk.file_check(store, SEED) == (store.read_sidecar(SEED), None)
+    assert quarantine.file_check(store, SEED) == (store.read_sidecar(SEED), None)
     assert not (store.root / QUARANTINE_DIR).exists(), "nothing was quarantined"
 
 
@@ -76,22 +77,22 @@ def test_a_fork_reading_its_seed_while_the_seeds_save_is_put_in_place_quarantine
     refused: list = []
 
     def fork_swap_reads_the_seed() -> None:
-        executor = SlotExecutor(None, fork_store, None, None)
+        executor = SlotExecutor(None, fork_store, None, FolderFiles(fork_store))
         problem = plan.restore_problem(executor.file_facts(SEED), MADE_BY, None, 0)
         refused.append(problem)
         if problem is not None:
             executor.refuse(problem)
 
     threads = []
-    real_move = disk.move_companions
+    real_move = checked_save.move_companions
 
     def between_the_renames(src, dst, keep=None):   # the file is in, its sidecar not yet
         if not threads:
             threads.append(run_aside(fork_swap_reads_the_seed))
         return real_move(src, dst, keep)
-    monkeypatch.setattr(disk, "move_companions", between_the_renames)
+    monkeypatch.setattr(checked_save, "move_companions", between_the_renames)
 
-    disk.install(store, SEED, new_save(store))
+    checked_save.install(store, SEED, new_save(store))
     threads[0].join(10)
     assert refused == [None], "the fork finds the seed's new file whole and may restore it"
     the_new_save_is_whole(store)
@@ -111,7 +112,7 @@ def test_a_sidecar_update_read_before_a_save_is_not_written_over_the_new_sidecar
         read = real_merged(stem, defaults, **changes)
         if not threads:
             ready = new_save(saver_store)
-            threads.append(run_aside(lambda: disk.install(saver_store, SEED, ready)))
+            threads.append(run_aside(lambda: checked_save.install(saver_store, SEED, ready)))
         return read
     monkeypatch.setattr(store, "merged_sidecar", read_then_the_save_lands)
 
@@ -125,12 +126,12 @@ def test_a_file_judged_bad_that_is_whole_when_set_aside_is_kept(tmp_path):
     its sidecar and is not moved."""
     store = SessionStore(tmp_path)
     saved(store)
-    note = disk.set_aside(store, SEED, "it has 20 bytes, its sidecar says 10")
+    note = quarantine.set_aside(store, SEED, "it has 20 bytes, its sidecar says 10")
     assert note.startswith("kept")
-    assert store.bin_path(SEED).is_file() and disk.file_check(store, SEED)[1] is None
+    assert store.bin_path(SEED).is_file() and quarantine.file_check(store, SEED)[1] is None
     assert not (tmp_path / QUARANTINE_DIR).exists()
     store.bin_path(SEED).write_bytes(b"short")      # a real mismatch still goes
-    assert disk.set_aside(store, SEED, "short") == f"moved to {QUARANTINE_DIR}/"
+    assert quarantine.set_aside(store, SEED, "short") == f"moved to {QUARANTINE_DIR}/"
     assert not store.bin_path(SEED).exists()
 
 
@@ -142,7 +143,7 @@ class RefusingRestore:
         self.store = store
 
     def slot_action(self, slot, action, filename=None):
-        disk.install(self.store, SEED, new_save(self.store))
+        checked_save.install(self.store, SEED, new_save(self.store))
         raise UpstreamError(400, "failed to restore slot: invalid file")
 
 
@@ -151,7 +152,7 @@ def test_a_refused_restore_is_not_recorded_on_a_save_put_in_place_since(tmp_path
     on the sidecar of a newer save, it would lose that session's good file for good."""
     store = SessionStore(tmp_path)
     saved(store)
-    executor = SlotExecutor(RefusingRestore(store), store, None, None)
+    executor = SlotExecutor(RefusingRestore(store), store, None, FolderFiles(store))
     session = Session("seed", "test")
     facts = SwapFacts(0, SlotState(), session, plan.UNASKED, MADE_BY,
                       own=executor.file_facts(SEED))

@@ -6,7 +6,8 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from kvproxy.storage import store as store_module
-from kvproxy.storage.disk import DiskBudget, is_leftover, sweep
+from kvproxy.storage.budget import DiskBudget
+from kvproxy.storage.sweep import is_leftover, sweep
 from kvproxy.storage.store import (SIDECAR_FORMAT, STATE_FILE, STATE_LOCK, SessionStore,
                                    StorageError, migrate_sidecar, write_json_beside)
 

@@ -4,16 +4,13 @@ The page itself holds nothing private and loads without a token; its data
 names sessions (ids can be e-mail addresses), so ``/api/status`` sits behind
 the admin token like the rest of the admin API. The data is built by plain
 functions from the slot folder, the switch's recent activity and a short,
-bounded look at llama-server over a connection of its own (never the one the
-switch uses to notice llama-server restarts).
+bounded look at llama-server through its view (``ServerView.look``: a connection
+of its own, never the one the switch uses to notice llama-server restarts).
 """
 from __future__ import annotations
 
 import shutil
 from datetime import datetime, timezone
-from typing import Any, Callable
-
-import requests
 from flask import Blueprint as FlaskBlueprint, current_app, render_template, request
 from flask.views import MethodView
 from flask_smorest import Blueprint
@@ -23,13 +20,12 @@ from kvproxy.ops.metrics import slot_folder_usage
 from kvproxy.slots.restore_check import RestoreCheck
 from kvproxy.storage.store import now_iso
 from kvproxy.slots.switch import fingerprint, fingerprint_key
+from kvproxy.upstream.view import ServerView
 
 api_blueprint = Blueprint("status", __name__,
                           description="Everything the status page shows, in one call")
 page_blueprint = FlaskBlueprint("status_page", __name__)
 
-# llama-server is asked with short bounds: the page refreshes every few seconds.
-PROBE_TIMEOUT = (2, 5)
 RESTORE_CHECK_RESET = "/api/sessions/restore-check/reset"
 
 # No inline code, nothing from another origin: the page works offline and a
@@ -108,53 +104,27 @@ def restore_check_view(entries: dict, limit: int, running_key: str | None,
 
 
 # -- llama-server, asked briefly -----------------------------------------------
-def probe_llama(http: requests.Session, base_url: str, kv_format: str | None = None) -> dict:
-    """Health, model and slots of llama-server; never raises, every call bounded.
-    ``kv_format``: what the start-up probe read, part of the running fingerprint."""
-    def get(path: str) -> Any:
-        response = http.get(base_url + path, timeout=PROBE_TIMEOUT, allow_redirects=False)
-        if response.status_code >= 400:
-            try:
-                message = (response.json().get("error") or {}).get("message")
-            except (ValueError, AttributeError):
-                message = None
-            raise RuntimeError(message or f"HTTP {response.status_code}")
-        return response.json()
-
-    view: dict = {"url": base_url, "status": "ok", "error": None, "model": None,
-                  "n_ctx": None, "build": None, "slots": [], "running_key": None}
-    try:
-        get("/health")
-    except requests.RequestException as exc:
-        return {**view, "status": "unreachable", "error": exc.__class__.__name__}
-    except (RuntimeError, ValueError) as exc:
-        return {**view, "status": "unhealthy", "error": str(exc)}
-    try:
-        props, models = get("/props"), get("/v1/models")
-        made_by = fingerprint(props, models, kv_format, lora_adapters(get))
-        view.update(model=(made_by["model_path"] or "").rsplit("/", 1)[-1] or None,
-                    n_ctx=made_by["n_ctx"], build=made_by["build_info"],
-                    running_key=fingerprint_key(made_by))
-        view["slots"] = get("/slots")
-    except (requests.RequestException, RuntimeError, ValueError) as exc:
-        view["error"] = f"{exc.__class__.__name__}: {exc}"
-    return view
-
-
-def lora_adapters(get: Callable[[str], Any]) -> list:
-    """``/lora-adapters`` for the fingerprint (as the switch's), [] when it cannot say."""
-    try:
-        return get("/lora-adapters")
-    except (requests.RequestException, RuntimeError, ValueError):
-        return []
+def probe_llama(view: ServerView, kv_format: str | None = None) -> dict:
+    """Health, model and slots of llama-server (``ServerView.look``); never raises, every
+    call bounded. ``kv_format``: what the start-up probe read, part of the running
+    fingerprint."""
+    look = view.look()
+    llama: dict = {"url": view.client.base_url, "status": look.status, "error": look.error,
+                   "model": None, "n_ctx": None, "build": None, "slots": [], "running_key": None}
+    if look.props is not None and look.models is not None:
+        made_by = fingerprint(look.props, look.models, kv_format, look.adapters or [])
+        llama.update(model=(made_by["model_path"] or "").rsplit("/", 1)[-1] or None,
+                     n_ctx=made_by["n_ctx"], build=made_by["build_info"],
+                     running_key=fingerprint_key(made_by))
+    llama["slots"] = look.slots or []
+    return llama
 
 
 def status_data(include_sessions: bool = True) -> dict:
     """Everything the page and ``python -m kvproxy`` show, for the app serving the request."""
     settings = current_app.config["KVPROXY"]
     switch = current_app.extensions["kvproxy.switch"]
-    http = current_app.extensions["kvproxy.status_http"]
-    llama = probe_llama(http, settings.upstream, switch.kv_format)
+    llama = probe_llama(current_app.extensions["kvproxy.models"].view, switch.kv_format)
     sessions, bases = session_rows(switch.store.sidecars()) if include_sessions else ([], [])
     running_key = llama.pop("running_key")
     llama_slots = llama.pop("slots")
@@ -202,9 +172,6 @@ routes.add_rules(page_blueprint, globals())
 
 
 def init_app(app, api) -> None:
-    """Register the page and its data call; the probe gets its own connection pool."""
-    http = requests.Session()
-    http.trust_env = False  # llama-server is a local hop, as in kvproxy.upstream.llama
-    app.extensions["kvproxy.status_http"] = http
+    """Register the page and its data call."""
     app.register_blueprint(page_blueprint)
     api.register_blueprint(api_blueprint)

@@ -2,14 +2,15 @@
 
 The thin side of the switch: every method takes the slot it acts on, which the
 caller holds (``SlotPool``), and performs I/O without deciding anything the
-plan decides. Saves go through ``disk.checked_save``. It also keeps what this
-process knows about each slot beyond the state file: which slots a failed swap
-left uncertain, the slots' sizes from ``/slots``, and the connection to
+plan decides. Saved files go through the store (``storage.session_files``). It
+also keeps what this process knows about each slot beyond the state file: which
+slots a failed swap left uncertain, the slots' sizes from ``/slots``, and the connection to
 llama-server that existed when each slot was last recorded (its "witness").
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import logging
 import time
@@ -23,7 +24,7 @@ from kvproxy.slots.plan import (BASE, FILLING, MISS, RESTORED, Action, Adopt, Cl
                                 FileFacts, KeepFile,
                                 MakeBase, Record, Refuse, Restore, Save, SwapFacts)
 from kvproxy.slots.state import Phase, SlotState, SlotTable, claimed_for, filled_with
-from kvproxy.storage import disk
+from kvproxy.storage.session_files import NotAsRecorded, SaveFailed, SessionFiles
 from kvproxy.storage.store import SessionStore, now_iso
 from kvproxy.upstream import slot_file
 from kvproxy.upstream.llama import LlamaClient, UpstreamError, UpstreamUnavailable
@@ -96,11 +97,11 @@ class SlotExecutor:
     """Performs slot actions against llama-server and the slot folder."""
 
     def __init__(self, client: LlamaClient, store: SessionStore, table: SlotTable,
-                 budget: disk.DiskBudget):
+                 files: SessionFiles):
         self.client = client
         self.store = store
         self.table = table
-        self.budget = budget
+        self.files = files
         self.uncertain: set[int] = set()       # a swap failed half-way: trust nothing there
         self.untouched: dict[int, SlotState] = {}  # per slot: a running swap changed nothing yet
         self.n_ctx: dict[int, int] = {}        # per slot, from /slots
@@ -166,9 +167,9 @@ class SlotExecutor:
         return plan.judge_slot(entry, state.tokens)
 
     def file_facts(self, stem: str) -> FileFacts:
-        if not self.store.has_bin(stem):
+        if not self.files.has(stem):
             return FileFacts(stem)
-        sidecar, problem = disk.file_check(self.store, stem)
+        sidecar, problem = self.files.check(stem)
         return FileFacts(stem, True, sidecar, problem)
 
     def swap_facts(self, slot: int, state: SlotState, session: Session, view: str,
@@ -201,7 +202,7 @@ class SlotExecutor:
                 metrics.SLOT_SWAPS.labels(str(action.slot), "save").inc()
                 try:
                     self.save_session(action.slot, action.state, made_by, keep=keep)
-                except disk.SaveFailed as exc:
+                except SaveFailed as exc:
                     self.drop_save(action.slot, action.state.session_id, action.state.stem,
                                    "session", exc)
             elif isinstance(action, KeepFile) and action.restoring_off:
@@ -244,7 +245,7 @@ class SlotExecutor:
         return filled or Filled(MISS, 0)
 
     def drop_save(self, slot: int, session_id: str, stem: str, kind: str,
-                  failure: disk.SaveFailed) -> None:
+                  failure: SaveFailed) -> None:
         """The slot folder could not take a save: the session's newest turns are not kept on
         disk, and the swap goes ahead. Its file, when it has one, still holds an older state
         that matches its sidecar (``checked_save`` keeps the old pair or removes both)."""
@@ -254,7 +255,7 @@ class SlotExecutor:
         log.warning("dropped the save of %s %s from slot %d: %s; %s", kind, session_id, slot,
                     failure, older)
         metrics.SAVES_DROPPED.labels(kind).inc()
-        self.budget.dropped.note(stem, session_id, str(failure))
+        self.files.dropped.note(stem, session_id, str(failure))
 
     # -- a swap that fails -----------------------------------------------------
     def begin(self, slot: int, state: SlotState) -> None:
@@ -337,7 +338,7 @@ class SlotExecutor:
         stem, reason = refused.stem, refused.reason
         if refused.quarantine:
             log.warning("not restoring %s.bin: %s; %s, the session starts fresh",
-                        stem, reason, disk.set_aside(self.store, stem, reason))
+                        stem, reason, self.files.set_aside(stem, reason))
         elif refused.metric == "too_big":
             log.warning("not restoring %s.bin: %s (llama-server would fail and wipe the slot); "
                         "the session starts fresh", stem, reason)
@@ -365,7 +366,7 @@ class SlotExecutor:
         written under a temporary name, checked, then renamed over the old file. A disk that
         cannot take it raises StorageError with the old file untouched; llama-server out of
         reach gives None."""
-        with self.budget.saving():   # one save into the folder at a time
+        with self.files.saving():   # one save into the folder at a time
             return self._save(session_id, stem, made_by, kind, system_hash, slot, tokens, keep)
 
     def _save(self, session_id: str, stem: str, made_by: dict, kind: str,
@@ -373,11 +374,11 @@ class SlotExecutor:
         # Files of sessions other slots (of any model) hold stay too: they may be saved over,
         # not evicted.
         protected = {stem, *keep, *self.store.held_stems()}
-        estimate = self.budget.make_room(stem, tokens, made_by, protected)
+        estimate = self.files.make_room(stem, tokens, made_by, protected)
         started = time.monotonic()
 
         def describe(answer: dict, size: int) -> dict:
-            written_as = self.note_kv_format(disk.temp_path(self.store, stem))
+            written_as = self.note_kv_format(self.files.scratch_path(stem))
             save_ms = (answer.get("timings") or {}).get("save_ms",
                                                         (time.monotonic() - started) * 1000)
             metrics.observe_swap("save", time.monotonic() - started, size)
@@ -388,12 +389,13 @@ class SlotExecutor:
                 saved_bytes=size, save_ms=round(save_ms, 2), saved_at=now_iso(),
                 saved_from_slot=slot, refused=None, refused_by=None)
         try:
-            sidecar = disk.checked_save(self.client, slot, self.store, stem, describe,
-                                        lambda n_saved: plan.saved_as_recorded(n_saved, tokens))
+            write = functools.partial(self.client.slot_action, slot, "save")  # (file name)
+            sidecar = self.files.save(stem, write, describe,
+                                      lambda n_saved: plan.saved_as_recorded(n_saved, tokens))
         except UpstreamUnavailable as exc:
             log.warning("could not save session %s: %s", session_id, exc)
             return None
-        except disk.NotAsRecorded as exc:
+        except NotAsRecorded as exc:
             log.warning("not saving %s %s (%d tokens recorded): %s; slot %d is unproven until "
                         "its next swap", kind, session_id, tokens, exc, slot)
             metrics.SAVES_REFUSED.labels(kind).inc()
@@ -403,7 +405,7 @@ class SlotExecutor:
             log.warning("not saving session %s: slot %d is empty", session_id, slot)
             return None
         if sidecar["saved_bytes"] > estimate:  # bigger than room was made for
-            self.budget.trim(protected)
+            self.files.trim(protected)
         if kind == "session":
             self._mark_saved(slot, stem)
         return sidecar
@@ -440,7 +442,7 @@ class SlotExecutor:
         one put in place since was not refused)."""
         started = time.monotonic()
         try:
-            answer = self.client.slot_action(slot, "restore", f"{stem}.bin")
+            answer = self.client.slot_action(slot, "restore", self.files.restore_name(stem))
         except UpstreamError as exc:  # a failed restore wipes the slot; erase keeps it clean
             log.warning("restore of %s.bin failed: %s", stem, exc.message)
             metrics.RESTORE_MISSES.labels("failed").inc()
@@ -486,7 +488,7 @@ class SlotExecutor:
         try:
             saved = self.save(f"base:{system_hash}", stem, made_by, kind="base",
                               system_hash=system_hash, slot=slot, tokens=len(tokens))
-        except disk.SaveFailed as exc:
+        except SaveFailed as exc:
             self.drop_save(slot, f"base:{system_hash}", stem, "base", exc)
             saved = None
         if saved:

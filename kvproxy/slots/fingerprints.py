@@ -2,22 +2,24 @@
 
 A file is restored only into the llama-server that made it (``plan.same_maker``), so a swap
 needs the running server's ``/props``, ``/v1/models`` and ``/lora-adapters``: small round
-trips (the first two took a tenth of a small restore). They change only when llama-server
-restarts, or when its adapters' scales are set (``POST /lora-adapters``, which kvproxy relays
-and then ``forget``s them). While the connection of the last slot call before they were
-asked is still open, it has not restarted (``LlamaClient.still_open``) and they are reused
-as they are. Otherwise a swap may plan with the last ones while they are asked again beside
-it (``for_swap``): a swap that only restores can be redone if they changed, one that would
+trips (the first two took a tenth of a small restore), kept in the server's view
+(``upstream.view.ServerView.maker``). They change only when llama-server restarts, or when
+its adapters' scales are set (``POST /lora-adapters``, which kvproxy relays and then
+``forget``s them). While the connection of the last slot call before they were asked is
+still open, it has not restarted (``LlamaClient.still_open``) and they are reused as they
+are. Otherwise a swap may plan with the last ones while they are asked again beside it
+(``for_swap``): a swap that only restores can be redone if they changed, one that would
 write a file waits for them first (``plan.undoable``).
 """
 from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Callable
 
 from kvproxy.slots.plan import fingerprint, model_of
-from kvproxy.upstream.llama import LlamaClient, UpstreamError, UpstreamUnavailable
+from kvproxy.upstream.llama import LlamaClient
+from kvproxy.upstream.view import Maker
 
 # Longest wait for the fingerprint asked beside a swap: the client's own calls are bounded
 # too (30 s read timeout), this only keeps a stuck thread from holding the slot longer.
@@ -29,9 +31,8 @@ class Fingerprints:
 
     def __init__(self, client: LlamaClient, kv_format: Callable[[], str | None]):
         self.client = client
+        self.view = client.view
         self.kv_format = kv_format
-        # (witness, /props, /v1/models, /lora-adapters)
-        self._facts: tuple[Any, dict, dict, list] | None = None
         self._lock = threading.Lock()
         # One thread, one question at a time: swaps on several slots share the answer.
         self._asker: ThreadPoolExecutor | None = None
@@ -39,35 +40,34 @@ class Fingerprints:
 
     def now(self) -> dict:
         """The fingerprint, asked again unless llama-server provably did not restart."""
-        facts = self._facts
-        if facts is None or not self.client.still_open(facts[0]):
+        facts = self.view.maker()
+        if not self.view.proven(facts):
             facts = self._ask()
         return self._of(facts)
 
     def for_swap(self) -> tuple[dict, "Asking | None"]:
         """The fingerprint to plan a swap with, and, when nothing proves the last one still
         holds, the same to ask again while the swap runs (None: proven, or just asked)."""
-        facts = self._facts
+        facts = self.view.maker()
         if facts is None:
             return self._of(self._ask()), None
-        if self.client.still_open(facts[0]):
+        if self.view.proven(facts):
             return self._of(facts), None
         return self._of(facts), Asking(self)
 
     def proven_same(self) -> bool:
         """Whether llama-server provably is the process the fingerprint was asked of (the
         connection of the last slot call before it is still open)."""
-        facts = self._facts
-        return facts is not None and self.client.still_open(facts[0])
+        return self.view.proven(self.view.maker())
 
     def forget(self) -> None:
         """Ask again before the next swap: llama-server changed (restarted, or its LoRA
         adapters were set)."""
-        self._facts = None
+        self.view.forget_maker()
 
     def last_model(self) -> str | None:
         """The tag of the model in the last fingerprint asked (None before the first)."""
-        facts = self._facts
+        facts = self.view.maker()
         return model_of(self._of(facts)) if facts else None
 
     def _submit(self) -> Future:
@@ -79,22 +79,11 @@ class Fingerprints:
             self._asking = self._asker.submit(lambda: self._of(self._ask()))
             return self._asking
 
-    def _ask(self) -> tuple[Any, dict, dict, list]:
-        witness = self.client.witness()
-        facts = (witness, self.client.props(), self.client.models(), self._adapters())
-        self._facts = facts
-        return facts
+    def _ask(self) -> Maker:
+        return self.view.ask_maker()
 
-    def _adapters(self) -> list:
-        """The LoRA adapters; a llama-server that does not list them (an older build without
-        the route, a stub) is taken to apply none, as before they were asked."""
-        try:
-            return self.client.lora_adapters()
-        except (UpstreamError, UpstreamUnavailable):
-            return []
-
-    def _of(self, facts: tuple[Any, dict, dict, list]) -> dict:
-        return fingerprint(facts[1], facts[2], self.kv_format(), facts[3])
+    def _of(self, facts: Maker) -> dict:
+        return fingerprint(facts.props, facts.models, self.kv_format(), facts.adapters)
 
 
 class Asking:

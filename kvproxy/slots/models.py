@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Callable
 
 from kvproxy.errors import ClientError
@@ -25,39 +24,11 @@ from kvproxy.slots.state import SlotTable
 from kvproxy.slots.switch import SlotSwitch
 from kvproxy.storage.store import SessionStore
 from kvproxy.upstream.llama import LlamaClient, UpstreamError, UpstreamUnavailable
+from kvproxy.upstream.view import is_loaded, pick_model  # noqa: F401 - imported from here too
 
 log = logging.getLogger("kvproxy.switch")
 
-LISTING_TTL = 2.0      # seconds the router's model listing is reused
-PROPS_TTL = 10.0       # seconds the server's /props is reused
 SAVE_BEFORE_LOAD_S = 30  # at most this long for another model's slot to be free to save
-
-
-def model_names(entry: dict) -> set[str]:
-    """The names a request may use for a router entry: its id and aliases, any case, with or
-    without ``.gguf`` or an Ollama-style ``:tag``."""
-    names = {entry.get("id")} | set(entry.get("aliases") or [])
-    return {n.lower() for n in names if isinstance(n, str) and n}
-
-
-def pick_model(requested: object, entries: list[dict]) -> str | None:
-    """The router's id of the model a request names, or None."""
-    if not isinstance(requested, str) or not requested.strip():
-        return None
-    wanted = requested.strip().lower()
-    candidates = [wanted, wanted.removesuffix(".gguf")]
-    if ":" in wanted:
-        candidates.append(wanted.rsplit(":", 1)[0])
-    for name in candidates:
-        for entry in entries:
-            if name in model_names(entry):
-                return entry["id"]
-    return None
-
-
-def is_loaded(entry: dict | None) -> bool:
-    status = (entry or {}).get("status")
-    return isinstance(status, dict) and status.get("value") == "loaded"
 
 
 class ModelSwitches:
@@ -68,44 +39,18 @@ class ModelSwitches:
         self.client = client              # the server's (the router's in router mode)
         self.default = switch             # the one switch of a one-model server
         self._make_switch = make_switch
+        self.view = client.view           # what llama-server says of itself, cached
         self._switches: dict[str, SlotSwitch] = {}
-        self._router: bool | None = None
-        self._props: tuple[float, dict] = (float("-inf"), {})
-        self._listing: tuple[float, list[dict]] = (float("-inf"), [])
         self._lock = threading.Lock()
 
-    # -- the server's mode and models ------------------------------------------------
+    # -- the server's mode and models (its view: ``upstream.view``) --------------------
     def is_router(self) -> bool:
         """Whether llama-server is a router of several models (asked once it answers)."""
-        if self._router is None:
-            try:
-                props = self.props()
-            except (UpstreamError, UpstreamUnavailable):
-                return False
-            self._router = props.get("role") == "router"
-            if self._router:
-                log.info("llama-server is a router of several models: a switch per model")
-                # it drops kept-alive connections while it loads and unloads models
-                self.client.http.headers["Connection"] = "close"
-        return self._router
-
-    def props(self, max_age: float = PROPS_TTL) -> dict:
-        """The server's ``/props``, reused for ``max_age`` seconds."""
-        at, props = self._props
-        if time.monotonic() - at >= max_age:
-            props = self.client.props()
-            self._props = (time.monotonic(), props)
-        return props
+        return self.view.is_router()
 
     def entries(self, fresh: bool = False) -> list[dict]:
         """The router's models (``/v1/models``), each with its status; cached briefly."""
-        at, entries = self._listing
-        if fresh or time.monotonic() - at >= LISTING_TTL:
-            listing = self.client.models()
-            entries = [e for e in listing.get("data") or []
-                       if isinstance(e, dict) and isinstance(e.get("id"), str)]
-            self._listing = (time.monotonic(), entries)
-        return entries
+        return self.view.entries(fresh)
 
     def resolve(self, requested: object) -> str:
         """The router's id for the model a request names; a 404 names the models there are."""

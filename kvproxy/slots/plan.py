@@ -93,7 +93,7 @@ class FileFacts:
     stem: str
     on_disk: bool = False
     sidecar: dict | None = None
-    size_problem: str | None = None  # the file does not match its sidecar (``disk.size_problem``)
+    size_problem: str | None = None  # the file does not match its sidecar (``storage.quarantine``)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from kvproxy.slots.pool import SlotPool
 from kvproxy.slots.restore_check import RestoreCheck, verify_restore
 from kvproxy.slots.save_behind import SaveBehind
 from kvproxy.slots.state import Phase, SlotState, SlotTable, emptied
-from kvproxy.storage import disk
+from kvproxy.storage.folder import FolderFiles
 from kvproxy.storage.store import SessionStore, StorageError, now_iso
 from kvproxy.upstream.llama import LlamaClient, UpstreamError, UpstreamUnavailable
 
@@ -74,10 +74,11 @@ class SlotSwitch:
         self.base_snapshots = base_snapshots
         self.max_disk_bytes = max_disk_bytes
         self.lock_timeout = lock_timeout
-        self.budget = disk.DiskBudget(store, max_disk_bytes, min_free_bytes)
+        self.files = FolderFiles(store, max_disk_bytes, min_free_bytes)
+        self.budget = self.files.budget
         self.pool = SlotPool(store, lock_timeout, max_waiters, keep=slot_keep)
         self.restore_check = RestoreCheck(store.root, restore_miss_limit, restore_off_minutes)
-        self.executor = SlotExecutor(client, store, self.table, self.budget)
+        self.executor = SlotExecutor(client, store, self.table, self.files)
         self._busy_since: dict[int, str] = {}
         # Per slot: when this process last wrote its used_at alone (see plan.after_answer).
         self._used_at_written: dict[int, float] = {}
@@ -330,7 +331,7 @@ class SlotSwitch:
         made_by, asking = self.fingerprints.for_swap()
         session = session.on_model(plan.model_of(made_by))
         # The files this swap may restore stay until it is done (eviction by other slots).
-        with self.budget.pinned(incoming_stems(session)):
+        with self.files.pinned(incoming_stems(session)):
             return self._fill(asked_for, session, prompt, slot, placed, state, view, made_by,
                               asking, started)
 

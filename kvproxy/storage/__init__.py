@@ -1,1 +1,1 @@
-"""The slot folder: slot files, their JSON sidecars, the state file, the disk budget."""
+"""The slot folder: slot files, their sidecars and the state file; checked, swept and budgeted."""

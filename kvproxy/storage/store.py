@@ -304,7 +304,7 @@ class SessionStore:
 
     @property
     def save_lock_path(self) -> Path:
-        """The cross-process lock around saves into this folder (``disk.DiskBudget.saving``)."""
+        """The cross-process lock around saves into this folder (``budget.DiskBudget.saving``)."""
         return self.root / self._scoped(SAVE_LOCK)
 
     def bin_path(self, stem: str) -> Path:

@@ -1,1 +1,1 @@
-"""Talking to llama-server: the HTTP client and the GGUF header reader."""
+"""Talking to llama-server: the HTTP client, its one view of the server, file header readers."""

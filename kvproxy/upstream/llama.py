@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator
 import requests
 
 from kvproxy.errors import ClientGone, UpstreamError, UpstreamUnavailable, map_exceptions
+from kvproxy.upstream.view import ServerView
 from kvproxy.upstream.watch import CuttableAdapter, cut_when_gone
 
 __all__ = ["LlamaClient", "UpstreamError", "UpstreamUnavailable", "sse_events", "upstream_error"]
@@ -73,7 +74,8 @@ class LlamaClient:
 
     ``model``: one model behind llama-server's router (``--models-dir``), for which every
     model and slot call names it (``for_model``); slot listings and model facts never make
-    the router load it (``autoload=false``).
+    the router load it (``autoload=false``). ``view``: what the server says about itself,
+    cached for every reader (``upstream.view``).
     """
 
     def __init__(self, base_url: str, connect_timeout: float = 5, read_timeout: float = 600,
@@ -94,6 +96,7 @@ class LlamaClient:
         if api_key:  # llama-server started with --api-key: every call, relayed ones too
             self.http.headers["Authorization"] = f"Bearer {api_key}"
         self._witness: tuple[Any, Any] | None = None
+        self.view = ServerView(self)
 
     def _request(self, method: str, path: str, *, read_timeout: float | None = None,
                  stream: bool = False, slot_call: bool = False,

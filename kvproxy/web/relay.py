@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
@@ -19,15 +18,14 @@ from kvproxy.errors import ClientError, ClientGone, KvproxyError
 from kvproxy.errors import ShuttingDown  # imported from here too
 from kvproxy.sessions import identity, matching
 from kvproxy.config import Settings
-from kvproxy.upstream.llama import LlamaClient, UpstreamError, UpstreamUnavailable, sse_events
+from kvproxy.upstream.llama import LlamaClient, sse_events
 from kvproxy.slots.lease import Lease
-from kvproxy.slots.models import ModelSwitches, is_loaded, pick_model
+from kvproxy.slots.models import ModelSwitches
 from kvproxy.slots.switch import SlotSwitch
 from kvproxy.slots.unpinned import side_task
 from kvproxy.translate import usage
 from kvproxy.web import users
 
-MODEL_FACTS_TTL = 10.0
 
 log = logging.getLogger("kvproxy.relay")
 
@@ -262,8 +260,6 @@ class Relay:
         self.client = client
         self.switch = switch
         self.models = models or ModelSwitches(client, switch, None)
-        self._facts: tuple[float, dict] | None = None
-        self._facts_lock = threading.Lock()
         self._trails: dict[str, matching.TrailIndex] = {}  # per slot folder
 
     def session_for(self, call: ChatCall, stream: bool,
@@ -397,45 +393,14 @@ class Relay:
 
     def model_facts(self, requested: object = None) -> dict:
         """llama-server's /props and /v1/models, cached briefly, plus the served name; behind
-        a router, of the model ``requested`` names (else its first)."""
-        if self.models.is_router():
-            entries = self.models.entries()
-            model = pick_model(requested, entries) or (entries[0]["id"] if entries else None)
-            return self._router_facts(next(e for e in entries if e["id"] == model)) \
-                if model else self._router_facts({"id": "none"})
-        with self._facts_lock:
-            if self._facts and time.monotonic() - self._facts[0] < MODEL_FACTS_TTL:
-                return self._facts[1]
-            props = self.models.props(MODEL_FACTS_TTL)
-            models = self.client.models()
-            entry = (models.get("data") or [{}])[0]
-            upstream_id = entry.get("id") or props.get("model_alias") or "model"
-            name = self.settings.model_name or upstream_id.rsplit("/", 1)[-1].removesuffix(".gguf")
-            facts = {"props": props, "model": entry, "upstream_id": upstream_id, "name": name,
-                     "listing": models}
-            self._facts = (time.monotonic(), facts)
-            return facts
+        a router, of the model ``requested`` names (else its first). See ``ServerView``."""
+        return self.models.view.model_facts(requested, self.settings.model_name)
 
     def all_model_facts(self) -> list[dict]:
         """``model_facts`` of every model llama-server serves (one, unless it is a router)."""
         if not self.models.is_router():
             return [self.model_facts()]
-        return [self._router_facts(entry) for entry in self.models.entries()]
-
-    def _router_facts(self, entry: dict) -> dict:
-        """One model behind the router, without loading it: its facts from the listing (the
-        model file is the ``--model`` of its status), its /props only while it is loaded."""
-        model = entry["id"]
-        args = (entry.get("status") or {}).get("args") or []
-        path = next((args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--model", "-m")), "")
-        try:
-            props = self.client.for_model(model).props(autoload=False) if is_loaded(entry) else {}
-        except (UpstreamError, UpstreamUnavailable):
-            props = {}
-        props = {**props, "model_path": props.get("model_path") or path}
-        return {"props": props, "model": entry, "upstream_id": model,
-                "name": model,
-                "listing": {"object": "list", "data": [entry]}}
+        return self.models.view.all_model_facts(self.settings.model_name)
 
     def count_tokens(self, body: dict) -> int:
         """Tokens of the templated prompt, counted by llama-server's own tokenizer."""
