@@ -18,7 +18,8 @@ from flask import Blueprint as FlaskBlueprint, current_app, render_template, req
 from flask.views import MethodView
 from flask_smorest import Blueprint
 
-from kvproxy import __version__, routes
+from kvproxy import routes
+from kvproxy.version import __version__
 from kvproxy.ops.metrics import slot_folder_usage
 from kvproxy.slots.restore_check import RestoreCheck
 from kvproxy.storage.store import now_iso
@@ -30,7 +31,6 @@ page_blueprint = FlaskBlueprint("status_page", __name__)
 
 # llama-server is asked with short bounds: the page refreshes every few seconds.
 PROBE_TIMEOUT = (2, 5)
-RESTORE_CHECK_RESET = "/api/sessions/restore-check/reset"
 
 # No inline code, nothing from another origin: the page works offline and a
 # hostile session id shown on it cannot run script.
@@ -95,7 +95,7 @@ def restore_check_view(entries: dict, limit: int, running_key: str | None,
     shown = {key: RestoreCheck._entry_status(entry, now) for key, entry in entries.items()
              if isinstance(entry, dict)}
     view = {"limit": limit, "models_off": sum(1 for st in shown.values() if st["restoring_off"]),
-            "reset": RESTORE_CHECK_RESET}
+            "reset": routes.path_of("sessions.RestoreCheckReset")}
     if running_key is None:  # llama-server did not say which model runs
         view.update(restoring_off=None, misses_in_a_row=None, off_since=None, off_until=None,
                     cause=None)
@@ -201,10 +201,8 @@ routes.add_rules(api_blueprint, globals())
 routes.add_rules(page_blueprint, globals())
 
 
-def init_app(app, api) -> None:
-    """Register the page and its data call; the probe gets its own connection pool."""
+def init_app(app) -> None:
+    """The probe of llama-server gets its own connection pool."""
     http = requests.Session()
     http.trust_env = False  # llama-server is a local hop, as in kvproxy.upstream.llama
     app.extensions["kvproxy.status_http"] = http
-    app.register_blueprint(page_blueprint)
-    api.register_blueprint(api_blueprint)

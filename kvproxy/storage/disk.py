@@ -32,7 +32,7 @@ import filelock
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from kvproxy.ops import metrics
+from kvproxy.telemetry import metrics
 from kvproxy.upstream.llama import LlamaClient, UpstreamError
 from kvproxy.storage.store import (PROBE_PREFIX, QUARANTINE_DIR, SIDECAR_FORMAT, TEMP_SUFFIX, SessionStore,
                     StorageError, bytes_with_companions, companion_suffixes, companions,
