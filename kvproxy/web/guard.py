@@ -25,8 +25,6 @@ from functools import lru_cache
 from typing import Callable, Iterable
 from urllib.parse import urlsplit
 
-from flask import request
-
 from kvproxy import routes
 from kvproxy.errors import ClientError
 
@@ -101,9 +99,9 @@ def cross_site(headers, host: str, allowed_origins: Iterable[str]) -> str | None
     return f"a page on {origin}"
 
 
-def check(route: routes.Route | None, answers_to: Callable[[str], bool],
+def check(request, route: routes.Route | None, answers_to: Callable[[str], bool],
           allowed_origins: Iterable[str]) -> None:
-    """The request to ``route`` (the one its path matches, None: no route), with the
+    """``request`` to ``route`` (the one its path matches, None: no route), with the
     settings' hosts (``answers_to``: ``host_allowed`` bound to them) and origins."""
     host = request.headers.get("Host", "")
     if host and not answers_to(host):
@@ -116,11 +114,11 @@ def check(route: routes.Route | None, answers_to: Callable[[str], bool],
             raise ClientError(f"{request.method} {request.path} from {source} is refused: "
                               "add its origin to KVPROXY_ALLOWED_ORIGINS to allow it", 403)
     if admin and request.method == "POST" and request.mimetype != "application/json" \
-            and not _empty_without_type():
+            and not _empty_without_type(request):
         raise ClientError(f"POST {request.path} needs 'Content-Type: application/json'", 415)
 
 
-def _empty_without_type() -> bool:
+def _empty_without_type(request) -> bool:
     """A POST with no body and no content type: what curl and scripts send for an action
     without arguments. A page can send it too, but a browser then names the page (``Origin``,
     ``Sec-Fetch-Site``), which ``cross_site`` has already judged."""
