@@ -1,39 +1,30 @@
 """kvproxy: a session-aware front door for llama-server, one conversation per slot."""
 from __future__ import annotations
 
+import importlib
 import logging
 from typing import Any, Mapping
 
 from flask import Flask
-from flask_smorest import Api
+from flask_smorest import Api, Blueprint as ApiBlueprint
 
+from kvproxy import routes
+from kvproxy.assemble import build_switch, llama_client
 from kvproxy.config import Settings, check_slot_dir, load_settings
-from kvproxy.web.common import FreeHeldSlots, see_sent_replies
-from kvproxy.upstream.llama import LlamaClient
-from kvproxy.web.relay import Relay
 from kvproxy.ops.startup import Contract
-from kvproxy.storage.store import SessionStore
 from kvproxy.slots.models import ModelSwitches
 from kvproxy.slots.switch import SlotSwitch
+from kvproxy.storage.store import SessionStore
+from kvproxy.upstream.llama import LlamaClient
+from kvproxy.version import __version__
+from kvproxy.web.common import FreeHeldSlots
+from kvproxy.web.relay import Relay
 
-__version__ = "0.1.0"
-
-
-def build_switch(settings: Settings, client: LlamaClient, store: SessionStore) -> SlotSwitch:
-    """The slot switch the settings describe (the app's, and ``kvproxy doctor``'s)."""
-    return SlotSwitch(client, store, settings.slot_id,
-                      settings.lock_timeout, settings.base_snapshots,
-                      settings.restore_miss_limit, int(settings.max_disk_gb * 1024**3),
-                      int(settings.min_free_gb * 1024**3),
-                      max_waiters=settings.max_waiters,
-                      restore_off_minutes=settings.restore_off_minutes,
-                      slots=settings.slots, save_behind=settings.save_behind,
-                      save_behind_delay=settings.save_behind_delay,
-                      slot_keep=settings.slot_keep)
+__all__ = ["__version__", "create_app"]
 
 
 def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
-    """Build the app: settings, the slot switch, dialect blueprints, admin API.
+    """Build the app: settings, the slot switch, the route table's blueprints, the gate.
 
     ``config`` is a dict of setting overrides (tests) or ready Settings;
     everything else comes from ``KVPROXY_*`` environment variables.
@@ -53,8 +44,8 @@ def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
     app.json.compact = True
 
     check_slot_dir(settings.slot_dir)
-    client = LlamaClient(settings.upstream, settings.connect_timeout, settings.read_timeout,
-                         settings.slot_action_timeout, api_key=settings.upstream_api_key)
+    client = llama_client(settings)
+
     def make_switch(client: LlamaClient, store: SessionStore) -> SlotSwitch:
         return build_switch(settings, client, store)
     switch = make_switch(client, SessionStore(settings.slot_dir))
@@ -63,28 +54,25 @@ def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
     app.extensions["kvproxy.models"] = models
     # Its own client: the probe must not count as the last slot call of the switch's client,
     # whose open connection vouches for what the slot holds.
-    app.extensions["kvproxy.contract"] = Contract(
-        LlamaClient(settings.upstream, settings.connect_timeout, settings.read_timeout,
-                    settings.slot_action_timeout, api_key=settings.upstream_api_key), switch)
+    app.extensions["kvproxy.contract"] = Contract(llama_client(settings), switch)
     app.extensions["kvproxy.relay"] = Relay(settings, client, switch, models)
     app.wsgi_app = FreeHeldSlots(app.wsgi_app)
 
-    from kvproxy.ops import admin, metrics, health as ops
-    from kvproxy.web import body_limit, guard, users
-    from kvproxy.web import anthropic, errors, llamacpp, ollama, openai, passthrough
-    for blueprint in (ops.blueprint, openai.blueprint, ollama.blueprint, anthropic.blueprint,
-                      llamacpp.blueprint, passthrough.blueprint):
-        app.register_blueprint(blueprint)
     api = Api(app)
-    api.register_blueprint(admin.blueprint)
-    api.register_blueprint(admin.slots_blueprint)
-    body_limit.init_app(app)
-    app.before_request(admin.require_token)  # after the body limit, as the routes' own checks
-    users.init_app(app)  # client API keys, where set
-    guard.init_app(app)  # Host names, cross-site requests, admin content types
-    app.before_request(see_sent_replies)  # admin and status reads see the replies sent
+    for blueprint in blueprints():
+        (api if isinstance(blueprint, ApiBlueprint) else app).register_blueprint(blueprint)
+    from kvproxy.ops import metrics, status
+    from kvproxy.web import errors, gate
+    gate.init_app(app, settings)  # the one check before every request
     errors.init_app(app, api)
     metrics.init_app(app)
-    from kvproxy.ops import status  # GET /status and /api/status
-    status.init_app(app, api)
     return app
+
+
+def blueprints() -> list:
+    """The blueprints the route table names (``routes.BLUEPRINTS``), in its order."""
+    found = []
+    for where in routes.BLUEPRINTS.values():
+        module, _, attribute = where.partition(":")
+        found.append(getattr(importlib.import_module(module), attribute))
+    return found

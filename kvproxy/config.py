@@ -314,10 +314,17 @@ PROCESS_SETTINGS: tuple[Setting, ...] = (
             "Seconds an idle client connection stays open; longer than nginx keeps idle "
             "upstream connections (keepalive_timeout 60s)."),
     Setting("forwarded_allow_ips", "127.0.0.1,::1", str,
-            "Proxies whose X-Forwarded-Proto is believed, comma-separated."),
+            "Proxies whose X-Forwarded-Proto and X-Forwarded-For are believed, comma-separated "
+            "(behind them, the forwarded client address scopes conversations sent without an "
+            "id)."),
 )
 
 SECRETS = ("admin_token", "api_keys", "api_keys_file", "upstream_api_key")
+
+# Process settings the app reads too, through its Settings like every other: behind a
+# proxy gunicorn trusts, the client's address is the one that proxy forwards
+# (kvproxy.web.users).
+SHARED_WITH_THE_APP = tuple(s for s in PROCESS_SETTINGS if s.name == "forwarded_allow_ips")
 
 
 class Settings:
@@ -338,7 +345,7 @@ def load_settings(environ: Mapping[str, str] | None = None,
     ``overrides`` take setting names (``slot_dir``) and are used as given,
     which is how tests build an app without touching the environment.
     """
-    return _load(SETTINGS, environ, overrides)
+    return _load(SETTINGS + SHARED_WITH_THE_APP, environ, overrides)
 
 
 def load_process_settings(environ: Mapping[str, str] | None = None) -> Settings:

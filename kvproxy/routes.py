@@ -1,10 +1,13 @@
-"""Every URL kvproxy answers, declared once: path, methods, family, view, admin token.
+"""Every URL kvproxy answers, declared once: path, methods, family, view, and its facts.
 
-The blueprints add their rules from ``ROUTES`` (``add_rules``), errors answer
-in the shape of the family a request belongs to (``error_shape``), the admin
-token is checked where ``token`` says, and ``docs/routes.md`` is this table
-(``markdown_table``; a test keeps it in step). Like llama-swap's route setup,
-one list says what the proxy serves and who answers it.
+The blueprints add their rules from ``ROUTES`` (``add_rules``) and the app registers the
+blueprints ``BLUEPRINTS`` names; the one check before every request (``kvproxy.web.gate``)
+asks each route who may call it (``auth_for``: open, a user's key, the admin token, or
+either) and whether it reads the records replies leave (``reads_records``); the request
+log keeps polled routes quiet (``quiet``); errors answer in the shape of the family a
+request belongs to (``error_shape``), and ``docs/routes.md`` is this table
+(``markdown_table``; a test keeps it in step). Like llama-swap's ``setupGinEngine``, one
+list says what the proxy serves, who answers it and who may ask.
 """
 from __future__ import annotations
 
@@ -18,27 +21,49 @@ OPENAI, ANTHROPIC, OLLAMA, ADMIN = "OpenAI", "Anthropic", "Ollama", "admin API"
 # Passthrough kinds (kvproxy.web.passthrough): how a llama-server route is relayed.
 PLAIN, SIDE, REFUSED = "passthrough.plain", "passthrough.side", "passthrough.refused"
 
+# Who may call a route (kvproxy.web.gate): anyone; with client API keys set, a user's key;
+# with the admin token set, that token; or either (the key's user then sees their own only).
+OPEN, KEY, TOKEN, TOKEN_OR_KEY = "open", "key", "admin", "admin or key"
+
 
 @dataclass(frozen=True)
 class Family:
     name: str
     errors: str  # the shape its errors answer in
     about: str
+    auth: str  # who may call its routes, unless a route says otherwise
+    reads_records: bool = False  # its routes wait for the replies sent to be recorded
 
 
 FAMILIES = {family.name: family for family in (
-    Family("openai", OPENAI, "OpenAI API (`kvproxy.web.openai`)"),
-    Family("anthropic", ANTHROPIC, "Anthropic Messages API (`kvproxy.web.anthropic`)"),
-    Family("ollama", OLLAMA, "Ollama API (`kvproxy.web.ollama`)"),
+    Family("openai", OPENAI, "OpenAI API (`kvproxy.web.openai`)", KEY),
+    Family("anthropic", ANTHROPIC, "Anthropic Messages API (`kvproxy.web.anthropic`)", KEY),
+    Family("ollama", OLLAMA, "Ollama API (`kvproxy.web.ollama`)", KEY),
     Family("llama-server", OPENAI,
-           "llama-server's own generation routes, with sessions (`kvproxy.web.llamacpp`)"),
+           "llama-server's own generation routes, with sessions (`kvproxy.web.llamacpp`)", KEY),
     Family("passthrough", OPENAI,
            "llama-server routes relayed as they are (`kvproxy.web.passthrough`); "
-           "llama-server's own errors come back unchanged"),
-    Family("admin", ADMIN, "session admin API (flask-smorest, `kvproxy.ops.admin`)"),
+           "llama-server's own errors come back unchanged", KEY),
+    Family("admin", ADMIN, "session admin API (flask-smorest, `kvproxy.ops.admin`)", TOKEN,
+           reads_records=True),
     Family("ops", OLLAMA, "health, metrics and the status page (`kvproxy.ops`); errors as "
-                          "Ollama's, which owns `/`"),
+                          "Ollama's, which owns `/`", OPEN),
 )}
+
+# The blueprint of each endpoint prefix, as ``module:attribute``, in the order the app
+# registers them (Flask and flask-smorest add "static" and "api-docs" themselves).
+BLUEPRINTS: Mapping[str, str] = {
+    "ops": "kvproxy.ops.health:blueprint",
+    "openai": "kvproxy.web.openai:blueprint",
+    "ollama": "kvproxy.web.ollama:blueprint",
+    "anthropic": "kvproxy.web.anthropic:blueprint",
+    "llamacpp": "kvproxy.web.llamacpp:blueprint",
+    "passthrough": "kvproxy.web.passthrough:blueprint",
+    "status_page": "kvproxy.ops.status:page_blueprint",
+    "sessions": "kvproxy.ops.admin:blueprint",
+    "slots": "kvproxy.ops.admin:slots_blueprint",
+    "status": "kvproxy.ops.status:api_blueprint",
+}
 
 
 @dataclass(frozen=True)
@@ -47,10 +72,26 @@ class Route:
     methods: tuple[str, ...]
     family: str
     endpoint: str  # "<blueprint>.<view>"
-    token: tuple[str, ...] = ()  # methods that need the admin token, when one is set (EVERY)
+    auth: str = ""  # who may call it (OPEN, KEY, TOKEN, TOKEN_OR_KEY); "": its family's
+    token: tuple[str, ...] = ()  # methods that need the admin token instead
     note: str = ""
     defaults: Mapping[str, Any] | None = field(default=None, hash=False)
     added_by: str = ""  # Flask or flask-smorest adds the rule itself
+    quiet: bool = False  # polled (monitors, the status page): its request lines at DEBUG
+    reads_records: bool | None = None  # waits for the replies sent; None: as its family
+
+    def auth_for(self, method: str) -> str:
+        """Who may call this route with ``method``."""
+        if method in self.token:
+            return TOKEN
+        return self.auth or FAMILIES[self.family].auth
+
+    @property
+    def waits_for_records(self) -> bool:
+        """Reads what replies leave behind (sessions, slots, counts): the replies already
+        sent are recorded before it answers."""
+        return FAMILIES[self.family].reads_records if self.reads_records is None \
+            else self.reads_records
 
 
 def _group(paths: tuple[str, ...], methods: tuple[str, ...], family: str, endpoint: str,
@@ -60,7 +101,6 @@ def _group(paths: tuple[str, ...], methods: tuple[str, ...], family: str, endpoi
 
 
 GET, POST = ("GET",), ("POST",)
-EVERY = ("*",)  # every method, HEAD and OPTIONS included
 
 ROUTES: tuple[Route, ...] = tuple([
     # -- OpenAI API
@@ -76,7 +116,9 @@ ROUTES: tuple[Route, ...] = tuple([
     *_group(("/v1/messages/count_tokens", "/messages/count_tokens"), POST, "anthropic",
             "anthropic.count_tokens", note="prompt tokens"),
     # -- Ollama API
-    Route("/", ("GET", "HEAD"), "ollama", "ollama.root", note="\"Ollama is running\""),
+    # Says nothing and is how Ollama clients find a server: answered without a key.
+    Route("/", ("GET", "HEAD"), "ollama", "ollama.root", auth=OPEN,
+          note="\"Ollama is running\""),
     Route("/api/version", GET, "ollama", "ollama.version"),
     Route("/api/tags", GET, "ollama", "ollama.tags", note="the one served model"),
     Route("/api/show", POST, "ollama", "ollama.show"),
@@ -116,7 +158,7 @@ ROUTES: tuple[Route, ...] = tuple([
             PLAIN, note="token counts of a chat or Responses request"),
     Route("/v1/chat/completions/control", POST, "passthrough", PLAIN,
           note="steers an answer that is running, so it must not wait for the slot"),
-    Route("/slots", GET, "passthrough", PLAIN, token=EVERY,
+    Route("/slots", GET, "passthrough", PLAIN, auth=TOKEN,
           note="slot state, read only (slot actions are kvproxy's); it shows the last "
                "prompt's length, sampling settings and seed"),
     Route("/lora-adapters", ("GET", "POST"), "passthrough", PLAIN, token=POST,
@@ -136,26 +178,28 @@ ROUTES: tuple[Route, ...] = tuple([
     Route("/slots/<id_slot>", POST, "passthrough", REFUSED,
           note="slot save, restore and erase belong to kvproxy: use /api/sessions"),
     # -- admin API (flask-smorest documents it at /api/openapi.json)
-    Route("/api/sessions", GET, "admin", "sessions.Sessions", token=EVERY,
-          note="saved sessions and base snapshots"),
-    Route("/api/sessions/current", GET, "admin", "sessions.Current", token=EVERY,
+    Route("/api/sessions", GET, "admin", "sessions.Sessions", auth=TOKEN_OR_KEY,
+          note="saved sessions and base snapshots (with a user's key: that user's)"),
+    Route("/api/sessions/current", GET, "admin", "sessions.Current",
           note="the session a slot holds"),
-    Route("/api/sessions/clear", POST, "admin", "sessions.Clear", token=EVERY,
+    Route("/api/sessions/clear", POST, "admin", "sessions.Clear",
           note="save, erase, back to 'default'"),
     Route("/api/sessions/restore-check/reset", POST, "admin", "sessions.RestoreCheckReset",
-          token=EVERY, note="restoring back on"),
+          note="restoring back on"),
     Route("/api/sessions/<path:session_id>", ("DELETE",), "admin", "sessions.OneSession",
-          token=EVERY, note="delete a saved session"),
-    Route("/api/slots", GET, "admin", "slots.Slots", token=EVERY,
+          note="delete a saved session"),
+    Route("/api/slots", GET, "admin", "slots.Slots",
           note="every slot and its session"),
-    Route("/api/status", GET, "admin", "status.Status", token=EVERY,
+    Route("/api/status", GET, "admin", "status.Status", quiet=True,
           note="everything the status page shows"),
     Route("/api/openapi.json", GET, "admin", "api-docs.openapi_json", added_by="flask-smorest",
           note="the admin API's OpenAPI document"),
     # -- operations
-    Route("/health", GET, "ops", "ops.health", note="200 when llama-server answers"),
-    Route("/metrics", GET, "ops", "ops.metrics", note="Prometheus text format"),
-    Route("/status", GET, "ops", "status_page.page",
+    Route("/health", GET, "ops", "ops.health", quiet=True,
+          note="200 when llama-server answers"),
+    Route("/metrics", GET, "ops", "ops.metrics", quiet=True, reads_records=True,
+          note="Prometheus text format"),
+    Route("/status", GET, "ops", "status_page.page", reads_records=True,
           note="the status page (its data, /api/status, needs the token)"),
     Route("/static/<path:filename>", GET, "ops", "static", added_by="Flask",
           note="the status page's script and style"),
@@ -175,8 +219,18 @@ def add_rules(blueprint, views: Mapping[str, Any]) -> None:
                                    methods=list(route.methods), **options)
 
 
-def needs_token(route: Route | None, method: str) -> bool:
-    return route is not None and (route.token == EVERY or method in route.token)
+def path_of(endpoint: str) -> str:
+    """The path of the route an endpoint answers (the first, for aliases)."""
+    return next(route.path for route in ROUTES if route.endpoint == endpoint)
+
+
+def who_may_call(route: Route) -> str:
+    """The auth column of docs/routes.md: the kind, and the methods that differ."""
+    every = route.auth_for("*")
+    others = [f"{method}: {route.auth_for(method)}" for method in route.methods
+              if route.auth_for(method) != every]
+    return "; ".join([every, *others]) if len(others) < len(route.methods) \
+        else "; ".join(others)
 
 
 def of_request(request) -> Route | None:
@@ -231,13 +285,12 @@ def error_shape(url_map, request) -> str:
 
 def markdown_table() -> str:
     """docs/routes.md's table of routes."""
-    rows = ["| Path | Methods | Family | Errors | Admin token | Notes |",
+    rows = ["| Path | Methods | Family | Errors | Who may call | Notes |",
             "| --- | --- | --- | --- | --- | --- |"]
     for route in ROUTES:
-        token = "yes" if route.token == EVERY else ", ".join(route.token)
         note = route.note + (f" (added by {route.added_by})" if route.added_by else "")
         rows.append(f"| `{route.path}` | {', '.join(route.methods)} | {route.family} | "
-                    f"{FAMILIES[route.family].errors} | {token} | {note} |")
+                    f"{FAMILIES[route.family].errors} | {who_may_call(route)} | {note} |")
     return "\n".join(rows)
 
 
@@ -262,15 +315,17 @@ route knows answers in the shape of the routes that share most of its leading
 segments (`/v1/messages/batches`: Anthropic's; `/v1/nothing`: OpenAI's), and in
 Ollama's when none does, since Ollama's API owns `/`.
 
-"Admin token": with `KVPROXY_ADMIN_TOKEN` set, these methods need
-`Authorization: Bearer <token>` ("yes": every method); a missing or wrong token is
-a 401 in the route's error shape.
+"Who may call", checked once before every request (`kvproxy/web/gate.py`):
 
-Client API keys: with `KVPROXY_API_KEYS` or `KVPROXY_API_KEYS_FILE` set, every route of
-the openai, anthropic, ollama, llama-server and passthrough families but `/` needs a
-user's key (`Authorization: Bearer <key>` or `x-api-key: <key>`), else 401 in the
-route's error shape; `GET /api/sessions` takes a user's key too and lists that user's
-sessions only (see [Users and keys](clients.md#users-and-keys)).
+- open: anyone.
+- key: with client API keys set (`KVPROXY_API_KEYS` or `KVPROXY_API_KEYS_FILE`), a
+  user's key (`Authorization: Bearer <key>` or `x-api-key: <key>`); without keys, anyone.
+- admin: with `KVPROXY_ADMIN_TOKEN` set, `Authorization: Bearer <token>`; without it,
+  anyone.
+- admin or key: the admin token, or a user's key, which then lists that user's
+  sessions only (see [Users and keys](clients.md#users-and-keys)).
+
+A missing or wrong key or token is a 401 in the route's error shape.
 
 ## Families
 

@@ -35,7 +35,7 @@ def test_docs_routes_md_is_the_table():
 
 
 ADMIN_ROUTES = [route for route in routes.ROUTES
-                if route.token == routes.EVERY and route.family == "admin"]
+                if route.family == "admin" and route.auth_for("GET") in (routes.TOKEN, routes.TOKEN_OR_KEY)]
 
 
 @pytest.mark.parametrize("route", ADMIN_ROUTES, ids=[r.path for r in ADMIN_ROUTES])
@@ -82,3 +82,48 @@ def test_a_bug_reads_the_same_in_every_family(app, monkeypatch):
             "Authorization": "Bearer s3cret"}).get_json()["message"],
     }
     assert said == {where: f"{where}: internal error in kvproxy; see its log" for where in said}
+
+
+def route_paths_named_outside_the_table() -> list[str]:
+    """Module-level constants of kvproxy/ (the table aside) that name paths or endpoints of
+    the table, or several of its families: a list of route facts kept by hand beside it."""
+    import ast
+
+    paths = set(routes.BY_PATH) | {route.endpoint for route in routes.ROUTES}
+    found = []
+    for module in sorted(routes.__file__ and Path(routes.__file__).parent.rglob("*.py")):
+        if module.name == "routes.py" and module.parent.name == "kvproxy":
+            continue
+        for node in ast.parse(module.read_text()).body:
+            if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
+                continue
+            strings = {value.value for value in ast.walk(node.value)
+                       if isinstance(value, ast.Constant) and isinstance(value.value, str)}
+            named = strings & paths
+            if len(strings & set(routes.FAMILIES)) > 1:
+                named |= strings & set(routes.FAMILIES)
+            if named:
+                found.append(f"{module.name}:{node.lineno} {sorted(named)}")
+    return found
+
+
+def test_no_route_fact_is_kept_beside_the_table():
+    """Who may call, quiet, reads records, the blueprints: facts of the table's rows, not
+    lists of paths in the modules that use them."""
+    assert route_paths_named_outside_the_table() == []
+
+
+def test_every_blueprint_of_the_table_is_registered_from_it(app):
+    named = {route.endpoint.partition(".")[0] for route in routes.ROUTES if not route.added_by}
+    assert named == set(routes.BLUEPRINTS)
+    assert set(routes.BLUEPRINTS) <= set(app.blueprints)
+
+
+@pytest.mark.parametrize("path,method,kind", [
+    ("/", "GET", routes.OPEN), ("/health", "GET", routes.OPEN), ("/status", "GET", routes.OPEN),
+    ("/v1/chat/completions", "POST", routes.KEY), ("/props", "GET", routes.KEY),
+    ("/props", "HEAD", routes.KEY), ("/props", "POST", routes.TOKEN),
+    ("/slots", "GET", routes.TOKEN), ("/api/slots", "GET", routes.TOKEN),
+    ("/api/sessions", "GET", routes.TOKEN_OR_KEY), ("/api/sessions", "HEAD", routes.TOKEN_OR_KEY)])
+def test_who_may_call_each_route(path, method, kind):
+    assert routes.BY_PATH[path].auth_for(method) == kind

@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from kvproxy.ops import metrics
+from kvproxy.telemetry import metrics
 from kvproxy.sessions.identity import Session
 from kvproxy.slots.lock import SlotBusy
 from kvproxy.slots.pool import MAX_OVERTAKEN, SlotPool, _Waiter

@@ -8,7 +8,7 @@ import pytest
 import responses
 
 from kvproxy import create_app
-from kvproxy.ops.activity import RecentActivity
+from kvproxy.telemetry.activity import RecentActivity
 from kvproxy.sessions.identity import Session, client_key
 from kvproxy.ops.status import restore_check_view, session_rows
 from kvproxy.storage.store import SIDECAR_FORMAT

@@ -7,7 +7,7 @@ import time
 import pytest
 import responses
 
-from kvproxy.ops import metrics
+from kvproxy.telemetry import metrics
 from kvproxy.sessions.identity import Session, base_stem
 from kvproxy.slots.restore_check import UNKNOWN_CAUSE
 from kvproxy.upstream.llama import LlamaClient, UpstreamError
@@ -413,7 +413,7 @@ def test_restoring_comes_back_when_the_build_changes(tmp_path, fake):
 
 def test_a_restore_llama_server_recomputed_is_reported_and_counted_as_a_miss():
     """The header of a whole answer and the status page's hit ratio say what was reused."""
-    from kvproxy.ops.activity import RecentActivity
+    from kvproxy.telemetry.activity import RecentActivity
     from kvproxy.slots.lease import Lease
     lease = Lease(A, RESTORED, restored_tokens=1800)
     assert lease.outcome({"cache_n": 0, "prompt_n": 1850}) == MISS

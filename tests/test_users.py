@@ -297,12 +297,13 @@ def test_without_keys_a_named_id_is_shared_by_whoever_sends_it(tmp_path, fake):
     assert other.headers["X-KVProxy-Cache"] == "hit"
 
 
-def test_forwarded_addresses_are_believed_only_from_the_trusted_proxies(monkeypatch):
+def test_forwarded_addresses_are_believed_only_from_the_trusted_proxies():
     environ = {"REMOTE_ADDR": "127.0.0.1", "HTTP_X_FORWARDED_FOR": "203.0.113.9, 192.0.2.10"}
-    assert users.client_address(environ) == "192.0.2.10"
-    assert users.client_address({**environ, "REMOTE_ADDR": "198.51.100.1"}) == "198.51.100.1"
-    monkeypatch.setenv("KVPROXY_FORWARDED_ALLOW_IPS", "127.0.0.1,192.0.2.0/24")
-    assert users.client_address(environ) == "203.0.113.9"
+    default = load_settings({}).forwarded_allow_ips
+    assert users.client_address(environ, default) == "192.0.2.10"
+    assert users.client_address({**environ, "REMOTE_ADDR": "198.51.100.1"}, default) == "198.51.100.1"
+    setting = load_settings({"KVPROXY_FORWARDED_ALLOW_IPS": "127.0.0.1,192.0.2.0/24"})
+    assert users.client_address(environ, setting.forwarded_allow_ips) == "203.0.113.9"
 
 
 def test_side_and_default_sessions_are_scoped_too():

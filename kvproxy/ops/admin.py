@@ -1,20 +1,18 @@
 """Session admin API (flask-smorest): list, inspect, clear and delete sessions; list slots.
 
-When ``KVPROXY_ADMIN_TOKEN`` is set every admin route (``kvproxy.routes``, ``token``)
-needs ``Authorization: Bearer <token>``: ``require_token`` checks it for the whole app.
-Failures are raised and answered by ``kvproxy.web.errors`` in flask-smorest's shape.
+When ``KVPROXY_ADMIN_TOKEN`` is set every admin route needs ``Authorization: Bearer
+<token>``, and the listing takes a user's key too (the route table's auth, checked by
+``kvproxy.web.gate``). Failures are raised and answered by ``kvproxy.web.errors`` in
+flask-smorest's shape.
 """
 from __future__ import annotations
 
-import hmac
-
 import marshmallow as ma
-from flask import current_app, request
+from flask import current_app
 from flask.views import MethodView
 from flask_smorest import Blueprint, abort
 
 from kvproxy import routes
-from kvproxy.errors import ClientError
 from kvproxy.sessions.identity import owns
 from kvproxy.web import users
 
@@ -138,32 +136,12 @@ def _as_listing(sidecar: dict) -> dict:
     return {**sidecar, "file": f"{sidecar.get('stem')}.bin"}
 
 
-def require_token() -> None:
-    """Before every request: the admin token, where the route table asks for it."""
-    token = current_app.config["KVPROXY"].admin_token
-    route = routes.of_request(request)  # a wrong method stays a 405, as without a token
-    if not token or not routes.needs_token(route, request.method):
-        return
-    sent = request.headers.get("Authorization", "")
-    if hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
-        return
-    if route.endpoint == LISTING and users.listing_user() is not None:
-        return  # a user's key: the listing shows that user's sessions only
-    if route.family == "admin" or request.method in ("GET", "HEAD"):
-        raise ClientError("missing or wrong admin token: send 'Authorization: Bearer <token>'", 401)
-    raise ClientError(f"{request.method} {request.path} changes llama-server for every client: "
-                      "send 'Authorization: Bearer <admin token>'", 401)
-
-
-LISTING = "sessions.Sessions"  # GET /api/sessions: the admin token, or a user's key
-
-
 class Sessions(MethodView):
     @blueprint.response(200, SessionSchema(many=True))
     def get(self):
         """List every saved session and base snapshot, from their sidecars; asked with a
         user's API key instead of the admin token, that user's own only."""
-        user = users.listing_user()
+        user = users.request_user()
         return [_as_listing(s) for s in _switch().store.sidecars()
                 if user is None or owns(user, str(s.get("stem") or ""))]
 

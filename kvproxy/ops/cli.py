@@ -287,7 +287,7 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
                         help="print JSON for machines")
     common.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    from kvproxy import __version__
+    from kvproxy.version import __version__
     from kvproxy.config import PROCESS_SETTINGS, SETTINGS
     top = Parser(prog="kvproxy",
                  description="kvproxy: a session-aware front door for llama-server. 'serve' runs "

@@ -189,7 +189,7 @@ OK_TEXT = {"slots": "the slot(s) kvproxy would drive exist",
 def contract(settings: Settings, client: LlamaClient, wait: float
              ) -> tuple[list[Check], ProbeVerdict | None]:
     """kvproxy's start-up checks and restore probe, over the slot folder kvproxy would use."""
-    from kvproxy import build_switch
+    from kvproxy.assemble import build_switch
     from kvproxy.storage.store import SessionStore
     try:
         check_slot_dir(settings.slot_dir)

@@ -6,16 +6,21 @@ from prometheus_client import generate_latest, CONTENT_TYPE_LATEST
 
 from kvproxy import routes
 from kvproxy.upstream.llama import UpstreamError, UpstreamUnavailable
-from kvproxy.ops.metrics import REGISTRY
+from kvproxy.telemetry.metrics import REGISTRY
 
 blueprint = Blueprint("ops", __name__)
 
 
-@blueprint.after_app_request
-def name_the_node(response: Response) -> Response:
-    """Behind a balancer, operators and tests see which machine answered (and holds the session)."""
-    response.headers["X-KVProxy-Node"] = current_app.config["KVPROXY"].node_name
-    return response
+@blueprint.record_once
+def name_the_node(state) -> None:
+    """Behind a balancer, operators and tests see which machine answered (and holds the
+    session): every reply names it, the name taken from the settings once."""
+    node = state.app.config["KVPROXY"].node_name
+
+    def header(response: Response) -> Response:
+        response.headers["X-KVProxy-Node"] = node
+        return response
+    state.app.after_request(header)
 
 
 def health() -> Response:

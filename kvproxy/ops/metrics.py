@@ -1,7 +1,7 @@
 """Prometheus metrics, served at GET /metrics (prometheus-client), and the request log.
 
-Counters and histograms are module globals that the switch and the relay
-update. What lives on disk (slot folder bytes, the active session) is read at
+The counters the core updates live in ``kvproxy.telemetry.metrics``, on the registry
+served here. What lives on disk (slot folder bytes, the active session) is read at
 scrape time by ``SlotFolderCollector``, so it is right even when another
 process changed the folder. ``init_app`` wires both into an app.
 """
@@ -13,65 +13,14 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvproxy import routes
 from kvproxy.sessions import identity
 from kvproxy.slots.state import SlotTable
 from kvproxy.storage.store import bytes_with_companions
-
-REGISTRY = CollectorRegistry()
-
-REQUESTS = Counter("kvproxy_requests_total", "Client requests by route and status",
-                   ["route", "status"], registry=REGISTRY)
-REQUEST_SECONDS = Histogram("kvproxy_request_seconds",
-                            "Client request duration by route, to the last byte of the reply",
-                            ["route"],
-                            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
-                                     60, 120, 300),
-                            registry=REGISTRY)
-SWAPS = Counter("kvproxy_swaps_total", "Slot actions by kind (save, restore, erase, base, none)",
-                ["kind"], registry=REGISTRY)
-SLOT_SWAPS = Counter("kvproxy_slot_swaps_total",
-                     "Swaps by slot and outcome: none (the slot held the session), save (of the "
-                     "session it held), restored, base, miss", ["slot", "kind"], registry=REGISTRY)
-SLOT_BUSY_SECONDS = Counter("kvproxy_slot_busy_seconds_total",
-                            "Seconds each slot was leased to a request (swap and answer)",
-                            ["slot"], registry=REGISTRY)
-SWAP_SECONDS = Histogram("kvproxy_swap_seconds", "Duration of slot actions by kind", ["kind"],
-                         buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-                         registry=REGISTRY)
-SWAP_BYTES = Counter("kvproxy_swap_bytes_total", "Bytes written or read by slot actions", ["kind"],
-                     registry=REGISTRY)
-LOCK_WAIT = Histogram("kvproxy_lock_wait_seconds", "Time requests waited for the slot",
-                      buckets=(0.001, 0.01, 0.1, 0.5, 1, 5, 15, 60, 300), registry=REGISTRY)
-WAITERS = Gauge("kvproxy_slot_waiters", "Requests of this process waiting for the slot",
-                registry=REGISTRY)
-REJECTED = Counter("kvproxy_slot_rejected_total",
-                   "Requests answered 503 without the slot: waited too long or too many waiting",
-                   ["reason"], registry=REGISTRY)
-TOKENS = Counter("kvproxy_prompt_tokens_total", "Prompt tokens reused from cache or computed",
-                 ["kind"], registry=REGISTRY)
-RESTORE_MISSES = Counter("kvproxy_restore_misses_total",
-                         "Restores refused, failed or not honoured by llama-server", ["reason"],
-                         registry=REGISTRY)
-SAVES_BEHIND = Counter("kvproxy_saves_behind_total",
-                       "Sessions saved in the background once their slot had settled",
-                       registry=REGISTRY)
-EVICTIONS = Counter("kvproxy_evictions_total",
-                    "Slot files deleted to keep the slot folder within its bounds",
-                    registry=REGISTRY)
-SAVES_DROPPED = Counter("kvproxy_saves_dropped_total",
-                        "Saves the slot folder could not take (no room, a failed write): the "
-                        "session's newest turns were not kept on disk, the swap went ahead",
-                        ["kind"], registry=REGISTRY)
-SAVES_REFUSED = Counter("kvproxy_saves_refused_total",
-                        "Saves not installed because llama-server saved another token count "
-                        "than the slot was recorded with: something else ran in the slot",
-                        ["kind"], registry=REGISTRY)
-EVICTED_BYTES = Counter("kvproxy_evicted_bytes_total", "Bytes of slot files deleted by eviction",
-                        registry=REGISTRY)
+from kvproxy.telemetry.metrics import REGISTRY, REQUESTS, REQUEST_SECONDS
 
 ACTIVE_HELP = ("Slots holding a session of this kind: client (an id the client sent), "
                "conversation, system, default or side")
@@ -80,22 +29,6 @@ HELD_HELP = "Tokens each slot holds, as last recorded"
 
 log = logging.getLogger("kvproxy.requests")
 
-# Polled by monitors, health checks and the status page: their request lines go out at DEBUG only.
-QUIET_ROUTES = frozenset({"/health", "/metrics", "/api/status"})
-
-
-def observe_swap(kind: str, seconds: float, n_bytes: int) -> None:
-    SWAPS.labels(kind).inc()
-    SWAP_SECONDS.labels(kind).observe(seconds)
-    if n_bytes:
-        SWAP_BYTES.labels(kind).inc(n_bytes)
-
-
-def observe_eviction(n_bytes: int = 0) -> None:
-    """Count one slot file removed by eviction (and its size)."""
-    EVICTIONS.inc()
-    if n_bytes:
-        EVICTED_BYTES.inc(n_bytes)
 
 
 def slot_folder_usage(root: str | Path) -> tuple[int, int]:
@@ -212,6 +145,7 @@ def init_app(app) -> None:
     switch = app.extensions.get("kvproxy.switch")
     if switch is not None:
         SLOT_FOLDER.bind(lambda: switch.store)
+    quiet = frozenset(route.path for route in routes.ROUTES if route.quiet)
 
     @app.before_request
     def start_clock():
@@ -231,7 +165,9 @@ def init_app(app) -> None:
             "cache": response.headers.get("X-KVProxy-Cache"),
         }
 
-        level = logging.DEBUG if route in QUIET_ROUTES else logging.INFO
+        # Polled by monitors, health checks and the status page (the route table's
+        # ``quiet``): their request lines go out at DEBUG only.
+        level = logging.DEBUG if route in quiet else logging.INFO
 
         def finish(streamed: bool) -> None:
             elapsed = time.perf_counter() - started

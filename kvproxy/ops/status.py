@@ -15,7 +15,8 @@ from flask import Blueprint as FlaskBlueprint, current_app, render_template, req
 from flask.views import MethodView
 from flask_smorest import Blueprint
 
-from kvproxy import __version__, routes
+from kvproxy import routes
+from kvproxy.version import __version__
 from kvproxy.ops.metrics import slot_folder_usage
 from kvproxy.slots.restore_check import RestoreCheck
 from kvproxy.storage.store import now_iso
@@ -26,7 +27,6 @@ api_blueprint = Blueprint("status", __name__,
                           description="Everything the status page shows, in one call")
 page_blueprint = FlaskBlueprint("status_page", __name__)
 
-RESTORE_CHECK_RESET = "/api/sessions/restore-check/reset"
 
 # No inline code, nothing from another origin: the page works offline and a
 # hostile session id shown on it cannot run script.
@@ -91,7 +91,7 @@ def restore_check_view(entries: dict, limit: int, running_key: str | None,
     shown = {key: RestoreCheck._entry_status(entry, now) for key, entry in entries.items()
              if isinstance(entry, dict)}
     view = {"limit": limit, "models_off": sum(1 for st in shown.values() if st["restoring_off"]),
-            "reset": RESTORE_CHECK_RESET}
+            "reset": routes.path_of("sessions.RestoreCheckReset")}
     if running_key is None:  # llama-server did not say which model runs
         view.update(restoring_off=None, misses_in_a_row=None, off_since=None, off_until=None,
                     cause=None)
@@ -171,7 +171,3 @@ routes.add_rules(api_blueprint, globals())
 routes.add_rules(page_blueprint, globals())
 
 
-def init_app(app, api) -> None:
-    """Register the page and its data call."""
-    app.register_blueprint(page_blueprint)
-    api.register_blueprint(api_blueprint)

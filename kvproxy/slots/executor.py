@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-from kvproxy.ops import metrics
+from kvproxy.telemetry import metrics
 from kvproxy.sessions.identity import Session, base_stem
 from kvproxy.slots import instance, plan
 from kvproxy.slots.plan import (BASE, FILLING, MISS, RESTORED, Action, Adopt, Claim, Erase,

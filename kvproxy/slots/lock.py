@@ -17,7 +17,7 @@ from pathlib import Path
 import filelock
 
 from kvproxy.errors import ClientGone, SlotBusy, SlotUnavailable  # noqa: F401 - imported from here too
-from kvproxy.ops import metrics
+from kvproxy.telemetry import metrics
 
 
 class SlotLock:

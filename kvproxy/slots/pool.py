@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Callable, NamedTuple
 
-from kvproxy.ops import metrics
+from kvproxy.telemetry import metrics
 from kvproxy.slots.placement import facts_from_table, queue_order
 from kvproxy.slots.lock import SlotBusy, SlotLock
 from kvproxy.slots.state import SlotTable

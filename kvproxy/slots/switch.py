@@ -15,8 +15,8 @@ import logging
 import time
 from typing import Callable, Iterator
 
-from kvproxy.ops import metrics
-from kvproxy.ops.activity import RecentActivity
+from kvproxy.telemetry import metrics
+from kvproxy.telemetry.activity import RecentActivity
 from kvproxy.sessions.identity import DEFAULT_SESSION, MODEL_SEPARATOR, Session, file_stem
 from kvproxy.slots import instance, plan, restore_probe
 from kvproxy.slots.deletions import Deletions

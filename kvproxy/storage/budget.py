@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Iterator
 
 import filelock
 
-from kvproxy.ops import metrics
+from kvproxy.telemetry import metrics
 from kvproxy.storage.checked_save import SaveFailed
 from kvproxy.storage.store import (QUARANTINE_DIR, SessionStore, bytes_with_companions, now_iso,
                                    unlink_with_companions)

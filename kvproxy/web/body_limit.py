@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 
-from flask import Flask, current_app, request
 from werkzeug.exceptions import RequestEntityTooLarge
 
 
@@ -40,19 +39,16 @@ class BoundedInput(io.RawIOBase):
         return len(data)
 
 
-def limit_bytes() -> int:
-    return int(current_app.config["KVPROXY"].max_body_mb * 1024 * 1024)
+def limit_bytes(max_body_mb: float) -> int:
+    return int(max_body_mb * 1024 * 1024)
 
 
-def refuse_large_bodies() -> None:
-    limit = limit_bytes()
+def refuse_large_bodies(request, limit: int) -> None:
+    """Before the request is read (from ``kvproxy.web.gate``): 413 for a body announced
+    larger than ``limit`` bytes, a bounded stream for a chunked one."""
     length = request.content_length
     if length is not None:
         if length > limit:
             raise too_large(limit, length)
     elif request.environ.get("wsgi.input_terminated"):
         request.environ["wsgi.input"] = BoundedInput(request.environ["wsgi.input"], limit)
-
-
-def init_app(app: Flask) -> None:
-    app.before_request(refuse_large_bodies)

@@ -10,7 +10,6 @@ from typing import Any, Callable, Iterable, Iterator
 
 from flask import Response, current_app, request
 
-from kvproxy import routes
 from kvproxy.errors import ClientError, InternalError, KvproxyError
 from kvproxy.web.relay import ChatCall, Relay
 from kvproxy.translate import strict_json
@@ -128,19 +127,16 @@ class _AfterReply:
 _after_reply = _AfterReply()
 
 SETTLE_TIMEOUT = 10.0  # a release that asks llama-server is itself bounded; a read then goes on
-READS_RECORDS = ("/metrics", "/status")  # and the admin API; not /health: it answers at once
 
 
 def see_sent_replies() -> None:
-    """Before an admin, status or metrics request: the replies already sent are recorded first.
+    """Before a request that reads records (the route table's ``reads_records``: the admin
+    API, status, metrics): the replies already sent are recorded first.
 
     A client that lists its sessions, reads the status page or deletes a session
     right after its answer arrived must see (or delete) that answer's record, not
     the one before it, and a delete must not be undone by a release still to run.
     """
-    route = routes.of_request(request)
-    if route is None or not (route.family == "admin" or route.path in READS_RECORDS):
-        return
     if not _after_reply.settle(SETTLE_TIMEOUT):
         log.warning("%s %s answered before every sent reply was recorded (waited %.0f s)",
                     request.method, request.path, SETTLE_TIMEOUT)

@@ -1,6 +1,7 @@
 """Browsers cannot act for the operator: Host names, cross-site requests, admin content types.
 
-Checked before every request, in the route family's error shape (``kvproxy.web.errors``):
+Checked before every request by the gate (``kvproxy.web.gate``), after who may call, in
+the route family's error shape (``kvproxy.web.errors``):
 
 - ``Host`` must be a name kvproxy answers to: a loopback name (``localhost``,
   ``*.localhost``), an IP address, this machine's host name or ``KVPROXY_ALLOWED_HOSTS``.
@@ -21,10 +22,8 @@ from __future__ import annotations
 import ipaddress
 import socket
 from functools import lru_cache
-from typing import Iterable
+from typing import Callable, Iterable
 from urllib.parse import urlsplit
-
-from flask import Flask, current_app, request
 
 from kvproxy import routes
 from kvproxy.errors import ClientError
@@ -100,32 +99,28 @@ def cross_site(headers, host: str, allowed_origins: Iterable[str]) -> str | None
     return f"a page on {origin}"
 
 
-def check_request() -> None:
-    """Before every request (see the module's text)."""
-    settings = current_app.config["KVPROXY"]
+def check(request, route: routes.Route | None, answers_to: Callable[[str], bool],
+          allowed_origins: Iterable[str]) -> None:
+    """``request`` to ``route`` (the one its path matches, None: no route), with the
+    settings' hosts (``answers_to``: ``host_allowed`` bound to them) and origins."""
     host = request.headers.get("Host", "")
-    if host and not host_allowed(host, settings.allowed_hosts):
+    if host and not answers_to(host):
         raise ClientError(f"kvproxy does not answer to the host name {host!r}: add it to "
                           "KVPROXY_ALLOWED_HOSTS", 403)
-    route = routes.matched(current_app.url_map, request)
     admin = route is not None and route.family == "admin"
     if request.method not in SAFE_METHODS or admin:
-        source = cross_site(request.headers, host, settings.allowed_origins)
+        source = cross_site(request.headers, host, allowed_origins)
         if source:
             raise ClientError(f"{request.method} {request.path} from {source} is refused: "
                               "add its origin to KVPROXY_ALLOWED_ORIGINS to allow it", 403)
     if admin and request.method == "POST" and request.mimetype != "application/json" \
-            and not _empty_without_type():
+            and not _empty_without_type(request):
         raise ClientError(f"POST {request.path} needs 'Content-Type: application/json'", 415)
 
 
-def _empty_without_type() -> bool:
+def _empty_without_type(request) -> bool:
     """A POST with no body and no content type: what curl and scripts send for an action
     without arguments. A page can send it too, but a browser then names the page (``Origin``,
     ``Sec-Fetch-Site``), which ``cross_site`` has already judged."""
     return not request.headers.get("Content-Type") and not request.content_length \
         and "Transfer-Encoding" not in request.headers
-
-
-def init_app(app: Flask) -> None:
-    app.before_request(check_request)

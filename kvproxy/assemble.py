@@ -1,0 +1,31 @@
+"""The parts the settings describe, built one way for the app and for ``kvproxy doctor``.
+
+The app factory (``kvproxy.create_app``) and the operator's tools (``kvproxy.ops``) both
+build llama-server clients and slot switches from the settings; building them here keeps
+ops/ from importing the app factory, which imports ops/ for its routes.
+"""
+from __future__ import annotations
+
+from kvproxy.config import Settings
+from kvproxy.slots.switch import SlotSwitch
+from kvproxy.storage.store import SessionStore
+from kvproxy.upstream.llama import LlamaClient
+
+
+def llama_client(settings: Settings) -> LlamaClient:
+    """A client of llama-server with the settings' bounds and key."""
+    return LlamaClient(settings.upstream, settings.connect_timeout, settings.read_timeout,
+                       settings.slot_action_timeout, api_key=settings.upstream_api_key)
+
+
+def build_switch(settings: Settings, client: LlamaClient, store: SessionStore) -> SlotSwitch:
+    """The slot switch the settings describe (the app's, and ``kvproxy doctor``'s)."""
+    return SlotSwitch(client, store, settings.slot_id,
+                      settings.lock_timeout, settings.base_snapshots,
+                      settings.restore_miss_limit, int(settings.max_disk_gb * 1024**3),
+                      int(settings.min_free_gb * 1024**3),
+                      max_waiters=settings.max_waiters,
+                      restore_off_minutes=settings.restore_off_minutes,
+                      slots=settings.slots, save_behind=settings.save_behind,
+                      save_behind_delay=settings.save_behind_delay,
+                      slot_keep=settings.slot_keep)

@@ -1,0 +1,1 @@
+"""What happened lately: counters for /metrics and recent activity, importing nothing of kvproxy."""
