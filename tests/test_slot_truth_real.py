@@ -27,6 +27,7 @@ EMBEDDINGS = ["--embeddings", "--pooling", "last"]
 # sampled token is never decoded; templates may re-render the end of the last answer).
 SLACK = 8
 STRESS_SECONDS = float(os.environ.get("KVPROXY_STRESS_SECONDS", "180"))
+MIN_STEPS = 10   # per conversation thread, however slow the machine: one is a deletion
 
 
 def ask(url: str, session: str, history: list[dict], max_tokens: int = 8) -> dict:
@@ -73,6 +74,8 @@ class Stress:
 
     def __init__(self, url: str, sessions: list[str], seconds: float):
         self.url, self.sessions, self.until = url, sessions, time.monotonic() + seconds
+        self.talking = threading.Event()   # cleared once every conversation thread is done
+        self.talking.set()
         self.problems: list[str] = []
         self.counts: dict[str, int] = {}
         self.last_prompt: dict[str, int] = {}
@@ -94,7 +97,9 @@ class Stress:
         for i, session in enumerate(owned):
             self.fresh(session, seed * 10 + i)
         turns = 0
-        while time.monotonic() < self.until:
+        # Time-bound, but never fewer than MIN_STEPS steps: a slow machine still deletes and
+        # still returns to its conversations.
+        while time.monotonic() < self.until or turns < MIN_STEPS:
             session = rng.choice(owned)
             turns += 1
             if turns % 7 == 0:   # every seventh step deletes a conversation instead
@@ -120,7 +125,7 @@ class Stress:
                 self.fresh(session, rng.randrange(1000))
 
     def embeddings(self) -> None:
-        while time.monotonic() < self.until:
+        while self.talking.is_set():
             reply = requests.post(self.url + "/v1/embeddings", json={
                 "input": [f"passage {i} {time.monotonic()}" for i in range(8)]}, timeout=300)
             if reply.status_code != 200:
@@ -129,7 +134,7 @@ class Stress:
             time.sleep(0.2)
 
     def several_answers(self) -> None:
-        while time.monotonic() < self.until:
+        while self.talking.is_set():
             reply = requests.post(self.url + "/v1/chat/completions", headers={
                 "X-Session-Id": random.choice(self.sessions)}, json={
                 "messages": [{"role": "user", "content": "Two answers?"}], "n": 2,
@@ -147,14 +152,19 @@ def test_interleaved_conversations_side_tasks_and_deletions_keep_every_record_tr
     try:
         sessions = [f"s{i}" for i in range(6)]   # three per slot
         stress = Stress(stack.url, sessions, STRESS_SECONDS)
-        threads = [threading.Thread(target=stress.conversation, args=(sessions[i::3], i))
+        talkers = [threading.Thread(target=stress.conversation, args=(sessions[i::3], i))
                    for i in range(3)]
-        threads += [threading.Thread(target=stress.embeddings),
-                    threading.Thread(target=stress.several_answers)]
+        side = [threading.Thread(target=stress.embeddings),
+                threading.Thread(target=stress.several_answers)]
+        threads = talkers + side
         for thread in threads:
             thread.start()
-        for thread in threads:
-            thread.join(STRESS_SECONDS + 300)
+        deadline = time.monotonic() + STRESS_SECONDS + 500   # within the test's 900 s
+        for thread in talkers:
+            thread.join(max(1.0, deadline - time.monotonic()))
+        stress.talking.clear()
+        for thread in side:
+            thread.join(120)
         print(f"\nstress of {STRESS_SECONDS:.0f} s: {stress.counts}")
         assert not any(thread.is_alive() for thread in threads)
         assert stress.problems == []
