@@ -14,22 +14,14 @@ from kvproxy.web.relay import Relay
 from kvproxy.ops.startup import Contract
 from kvproxy.storage.store import SessionStore
 from kvproxy.slots.models import ModelSwitches
-from kvproxy.slots.switch import SlotSwitch
+from kvproxy.slots.switch import SlotSwitch, SwitchSettings
 
 __version__ = "0.1.0"
 
 
 def build_switch(settings: Settings, client: LlamaClient, store: SessionStore) -> SlotSwitch:
     """The slot switch the settings describe (the app's, and ``kvproxy doctor``'s)."""
-    return SlotSwitch(client, store, settings.slot_id,
-                      settings.lock_timeout, settings.base_snapshots,
-                      settings.restore_miss_limit, int(settings.max_disk_gb * 1024**3),
-                      int(settings.min_free_gb * 1024**3),
-                      max_waiters=settings.max_waiters,
-                      restore_off_minutes=settings.restore_off_minutes,
-                      slots=settings.slots, save_behind=settings.save_behind,
-                      save_behind_delay=settings.save_behind_delay,
-                      slot_keep=settings.slot_keep)
+    return SlotSwitch(client, store, settings=SwitchSettings.of(settings))
 
 
 def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
