@@ -18,16 +18,17 @@ from kvproxy.sessions.identity import Session
 from kvproxy.slots import answer, plan
 from kvproxy.slots.facts import SlotFacts
 from kvproxy.slots.memory import SlotMemory
+# HeldElsewhere and Prefill are imported from here by older callers.
 from kvproxy.slots.outcome import Filled, HeldElsewhere, Prefill, PromptView  # noqa: F401
-from kvproxy.slots.plan import (BASE, FILLING, MIN_BASE_TOKENS, MISS, RESTORED,  # noqa: F401
-                                Action, Adopt, Claim, Erase, KeepFile, MakeBase, MarkUnproven,
-                                NoteKvFormat, Record, Refuse, Restore, Save, WriteRecord)
+from kvproxy.slots.plan import (FILLING, MISS, RESTORED, Adopt, Claim, Erase, KeepFile, MakeBase,
+                                MarkUnproven, NoteKvFormat, Record, Refuse, Restore, Save,
+                                WriteRecord)
 from kvproxy.slots.restore_check import RestoreCheck, verify_restore
 from kvproxy.slots.saving import SlotSaver
 from kvproxy.slots.state import Phase, SlotState, SlotTable, claimed_for
 from kvproxy.storage import disk
 from kvproxy.storage.store import SessionStore, now_iso
-from kvproxy.upstream.llama import LlamaClient, UpstreamError, UpstreamUnavailable
+from kvproxy.upstream.llama import LlamaClient, UpstreamError
 
 log = logging.getLogger("kvproxy.switch")
 
@@ -106,6 +107,8 @@ class SlotExecutor:
         if isinstance(action, MarkUnproven):
             self.mark_unproven(action.slot)
         elif isinstance(action, WriteRecord):
+            if action.answered:
+                self.memory.writing(action.slot)
             self.table.put(action.slot, action.state)
             if action.answered:
                 self.memory.written(action.slot, time.monotonic())

@@ -27,7 +27,7 @@ class SlotMemory:
         self._uncertain: set[int] = set()           # a swap failed half-way: trust nothing
         self._untouched: dict[int, SlotState] = {}  # a running swap changed nothing there yet
         self.n_ctx: dict[int, int] = {}             # per slot, from /slots
-        self._witness: dict[int, Any] = {}          # per slot, see executor.view
+        self._witness: dict[int, Any] = {}          # per slot, see facts.view
         self.kv_format: str | None = None           # what the last file read was written with
         self.listed: instance.Listing | None = None  # the last /slots listing's facts
         self.listed_at = float("-inf")              # when it was read (time.monotonic())
@@ -132,9 +132,13 @@ class SlotMemory:
     def unrecorded(self, slot: int) -> bool:
         return slot in self._unrecorded
 
-    def written(self, slot: int, now: float) -> None:
-        """The slot's record (and its last use) was written at ``now``: the swap is recorded."""
+    def writing(self, slot: int) -> None:
+        """The slot's record is being written with its swap: the swap is no longer pending
+        (a write that fails loses it, and the claim in the table leaves the slot untrusted)."""
         self._unrecorded.pop(slot, None)
+
+    def written(self, slot: int, now: float) -> None:
+        """The slot's record (and its last use) was written at ``now``."""
         self._used_at_written[slot] = now
 
     def since_used_at_written(self, slot: int, now: float) -> float:
