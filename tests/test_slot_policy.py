@@ -190,3 +190,12 @@ def test_a_switch_built_without_settings_runs_the_shipped_defaults():
     from kvproxy.slots.switch import SwitchSettings
     assert SwitchSettings() == SwitchSettings.of(load_settings(environ={}))
     assert SwitchSettings().save_behind and SwitchSettings().slot_keep == 2
+
+
+def test_keeps_run_out_and_end_when_no_new_conversation_waits():
+    from kvproxy.slots.queue import keeps_needed, live_keeps
+    kept = {0: Kept("A", 5.0), 1: Kept("B", 15.0)}
+    assert live_keeps(kept, 10.0) == {1: Kept("B", 15.0)}
+    assert keeps_needed([Waiter("n", False)])
+    assert not keeps_needed([Waiter("r", False, True), Waiter("s", True)])
+    assert not keeps_needed([Waiter("n", False, overtaken=MAX_OVERTAKEN)])
