@@ -7,7 +7,7 @@ ops/ from importing the app factory, which imports ops/ for its routes.
 from __future__ import annotations
 
 from kvproxy.config import Settings
-from kvproxy.slots.switch import SlotSwitch
+from kvproxy.slots.switch import SlotSwitch, SwitchSettings
 from kvproxy.storage.store import SessionStore
 from kvproxy.upstream.llama import LlamaClient
 
@@ -20,12 +20,4 @@ def llama_client(settings: Settings) -> LlamaClient:
 
 def build_switch(settings: Settings, client: LlamaClient, store: SessionStore) -> SlotSwitch:
     """The slot switch the settings describe (the app's, and ``kvproxy doctor``'s)."""
-    return SlotSwitch(client, store, settings.slot_id,
-                      settings.lock_timeout, settings.base_snapshots,
-                      settings.restore_miss_limit, int(settings.max_disk_gb * 1024**3),
-                      int(settings.min_free_gb * 1024**3),
-                      max_waiters=settings.max_waiters,
-                      restore_off_minutes=settings.restore_off_minutes,
-                      slots=settings.slots, save_behind=settings.save_behind,
-                      save_behind_delay=settings.save_behind_delay,
-                      slot_keep=settings.slot_keep)
+    return SlotSwitch(client, store, settings=SwitchSettings.of(settings))

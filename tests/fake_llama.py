@@ -241,6 +241,9 @@ def make_switch(slot_dir, **kwargs):
     from kvproxy.storage.store import SessionStore
     from kvproxy.slots.switch import SlotSwitch
     kwargs.setdefault("base_snapshots", False)
+    # Not the shipped default: these tests count the stub's slot actions one by one, and a
+    # background save would add its own when its delay runs out (test_save_behind.py tests it).
+    kwargs.setdefault("save_behind", False)
     return SlotSwitch(LlamaClient(UPSTREAM), SessionStore(slot_dir), **kwargs)
 
 

@@ -103,7 +103,7 @@ def test_with_fewer_slots_after_a_restart_no_slot_id_wraps_onto_another(mock, tm
 def test_after_a_restart_with_other_cache_types_no_old_file_is_offered(mock, tmp_path, probed):
     fake = probed.fake = FakeLlama(mock, tmp_path, n_slots=1)
     switch = switch_over(tmp_path, slots=1)
-    switch.kv_format = F16                # from the start-up probe
+    switch.executor.memory.note_kv_format(F16)  # from the start-up probe
     for session in (A, B, C):
         answer(switch, session, fake)     # A and B saved, as f16
     fake.restart()

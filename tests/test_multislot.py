@@ -40,6 +40,9 @@ def fake_with(mock, tmp_path, n_slots):
 def switch_over(tmp_path, slots=0, **kwargs):
     """A switch as the app builds it: slot count 0 means 'ask llama-server'."""
     kwargs.setdefault("base_snapshots", False)
+    # Not the shipped default: these tests count the stub's slot actions one by one, and a
+    # background save would add its own when its delay runs out (test_save_behind.py tests it).
+    kwargs.setdefault("save_behind", False)
     return SlotSwitch(LlamaClient(UPSTREAM), SessionStore(tmp_path), slots=slots, **kwargs)
 
 
@@ -225,7 +228,7 @@ def test_a_session_another_process_put_elsewhere_is_followed_there(mock, tmp_pat
     # The second process decided on slot 1 before it saw A's entry: the claim sends it on.
     from kvproxy.slots.executor import HeldElsewhere
     with pytest.raises(HeldElsewhere):
-        second._swap_to(A, None, 1)
+        second.swaps.swap_to(A, None, 1)
     lease = second.acquire(A)
     assert lease.slot == 0 and lease.cache == HIT
     second.release(lease)
@@ -264,7 +267,7 @@ def test_a_request_that_followed_its_session_waits_only_what_is_left_of_its_boun
         mock, tmp_path, monkeypatch):
     """Its first placement used up the whole bound; the slot that holds its session is busy
     in another process: 503 at once, not a new wait (even one that would end in the slot)."""
-    import kvproxy.slots.switch as switch_module
+    import kvproxy.slots.requests as switch_module  # the request path's clock
     fake = fake_with(mock, tmp_path, 2)
     other = switch_over(tmp_path)
     answer(other, A, fake)                          # another process: A in slot 0 ...
@@ -531,7 +534,7 @@ def test_a_session_being_swapped_in_by_one_process_is_not_claimed_by_another(moc
     first.executor.claim(0, A, [0, 1])  # first is restoring A into slot 0 right now
     from kvproxy.slots.executor import HeldElsewhere
     with pytest.raises(HeldElsewhere):
-        second._swap_to(A, None, 1)
+        second.swaps.swap_to(A, None, 1)
     assert SessionStore(tmp_path).read_table()[0]["active_key"] == A.key
 
 

@@ -30,7 +30,7 @@ from kvproxy.storage.store import SessionStore
 from kvproxy.upstream.llama import LlamaClient
 
 url, slot_dir = sys.argv[1], sys.argv[2]
-switch = SlotSwitch(LlamaClient(url), SessionStore(slot_dir))
+switch = SlotSwitch(LlamaClient(url), SessionStore(slot_dir), slots=1)  # it saves slot 0 by hand
 real_replace = os.replace
 
 

@@ -78,7 +78,7 @@ def test_a_fork_reading_its_seed_while_the_seeds_save_is_put_in_place_quarantine
 
     def fork_swap_reads_the_seed() -> None:
         executor = SlotExecutor(None, fork_store, None, FolderFiles(fork_store))
-        problem = plan.restore_problem(executor.file_facts(SEED), MADE_BY, None, 0)
+        problem = plan.restore_problem(executor.facts.file_facts(SEED), MADE_BY, None, 0)
         refused.append(problem)
         if problem is not None:
             executor.refuse(problem)
@@ -155,12 +155,12 @@ def test_a_refused_restore_is_not_recorded_on_a_save_put_in_place_since(tmp_path
     executor = SlotExecutor(RefusingRestore(store), store, None, FolderFiles(store))
     session = Session("seed", "test")
     facts = SwapFacts(0, SlotState(), session, plan.UNASKED, MADE_BY,
-                      own=executor.file_facts(SEED))
+                      own=executor.facts.file_facts(SEED))
     restores = [a for a in plan.plan_swap(facts) if isinstance(a, Restore)]
     assert [a.stem for a in restores] == [SEED]
     assert executor.carry_out(restores, MADE_BY, None, [0], set()).cache == plan.MISS
     assert "refused_by" not in store.read_sidecar(SEED)
-    assert plan.restore_problem(executor.file_facts(SEED), MADE_BY, None, 0) is None
+    assert plan.restore_problem(executor.facts.file_facts(SEED), MADE_BY, None, 0) is None
     the_new_save_is_whole(store)
 
 

@@ -101,7 +101,7 @@ def inject(step: str, api: str, stream: bool, app, monkeypatch) -> None:
     elif step == "close-upstream":
         monkeypatch.setattr("requests.Response.close", raiser(OSError("injected: close")))
     elif step == "bookkeeping":
-        monkeypatch.setattr(switch, "_after_request", raiser(OSError(errno.ENOSPC, "disk full")))
+        monkeypatch.setattr(switch.requests, "after_request", raiser(OSError(errno.ENOSPC, "disk full")))
     elif step == "hook":
         app.kvproxy_break_hook = True
     else:

@@ -6,7 +6,8 @@ import pytest
 from kvproxy.telemetry import metrics
 from kvproxy.sessions.identity import Session
 from kvproxy.slots.lock import SlotBusy
-from kvproxy.slots.pool import MAX_OVERTAKEN, SlotPool, _Waiter
+from kvproxy.slots.pool import SlotPool
+from kvproxy.slots.queue import MAX_OVERTAKEN, Waiter
 from kvproxy.storage.store import SessionStore
 from tests.fake_llama import make_switch
 
@@ -68,10 +69,10 @@ def test_a_slot_s_last_use_in_this_process_never_goes_back(tmp_path):
 
 
 def test_a_returning_conversation_waits_ahead_of_new_ones_overtaken_less_than_the_limit():
-    from kvproxy.slots.pool import MAX_OVERTAKEN, _Waiter, queue_position
+    from kvproxy.slots.pool import queue_position
 
     def waiter(short, overtaken=0):
-        w = _Waiter("k", False, short)
+        w = Waiter("k", False, short)
         w.overtaken = overtaken
         return w
     queue = [waiter(False), waiter(True), waiter(False), waiter(False)]
@@ -111,17 +112,17 @@ def test_the_switch_counts_a_conversation_with_a_file_on_its_model_as_returning(
     from tests.fake_llama import MODEL
     switch = make_switch(tmp_path)
     a = Session("A", "test")  # as a request names it: no model yet
-    assert not switch._returning(a)
+    assert not switch.requests.returning(a)
     lease = switch.acquire(a)
     fake.tokens = 40
     switch.release(lease, {"cache_n": 0, "prompt_n": 40, "predicted_n": 0})
-    assert switch._returning(a), "in the slot"
+    assert switch.requests.returning(a), "in the slot"
     switch.save_settled(0)
     switch.release(switch.acquire(Session("B", "test")))  # evicts A: on disk only now
     assert switch.store.has_bin(a.on_model(MODEL).stem)
-    assert switch._returning(a)
-    assert not switch._returning(Session("C", "test")), "a new conversation"
-    assert not switch._returning(Session("side", "side-request", persistent=False))
+    assert switch.requests.returning(a)
+    assert not switch.requests.returning(Session("C", "test")), "a new conversation"
+    assert not switch.requests.returning(Session("side", "side-request", persistent=False))
 
 
 def waiting_new_conversation(pool, taken_at, slot_ids=(0,)):
@@ -177,10 +178,10 @@ def test_a_returning_conversation_or_one_passed_over_enough_may_take_a_kept_slot
     pool.give_back(taken.slot)
     waiter.join(5)
     assert "new" in taken_at
-    passed_over = _Waiter("C", False)
+    passed_over = Waiter("C", False)
     passed_over.overtaken = MAX_OVERTAKEN
-    assert not passed_over.honours_keeps() and _Waiter("C", False).honours_keeps()
-    assert not _Waiter("x", True).honours_keeps(), "side requests are short"
+    assert not passed_over.honours_keeps() and Waiter("C", False).honours_keeps()
+    assert not Waiter("x", True).honours_keeps(), "side requests are short"
 
 
 def test_a_keep_never_makes_a_new_conversation_time_out(tmp_path):
@@ -192,8 +193,8 @@ def test_a_keep_never_makes_a_new_conversation_time_out(tmp_path):
     pool.give_back(first.slot, keep_for="A")
     waiter.join(5)
     assert taken_at["new"] - started < 0.5, "the new conversation took the slot, no 503"
-    assert _Waiter("C", False, deadline=10).honours_keeps(9.9)
-    assert not _Waiter("C", False, deadline=10).honours_keeps(10.1)
+    assert Waiter("C", False, deadline=10).honours_keeps(9.9)
+    assert not Waiter("C", False, deadline=10).honours_keeps(10.1)
 
 
 def test_one_slot_of_several_is_never_kept_so_new_conversations_keep_moving(tmp_path):
@@ -282,7 +283,7 @@ def test_with_several_slots_one_keeps_taking_new_conversations(tmp_path):
 def test_overtaking_is_not_counted_while_a_slot_serves_new_conversations(tmp_path):
     import threading
     from kvproxy.slots.pool import queue_position
-    queue = [_Waiter("n1", False), _Waiter("n2", False)]
+    queue = [Waiter("n1", False), Waiter("n2", False)]
     assert queue_position(queue, True, counts=False) == 0
     assert [w.overtaken for w in queue] == [0, 0]
     pool = SlotPool(SessionStore(tmp_path), timeout=10, max_waiters=8)

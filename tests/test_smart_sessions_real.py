@@ -130,7 +130,8 @@ def test_restore_that_llama_server_does_not_honour_is_detected(stack):
     post_chat(stack, one, {"X-Session-Id": "honest"})
     post_chat(stack, two, {"X-Session-Id": "swapped"})      # saves "honest"
     client = LlamaClient(stack.llama.url, read_timeout=300)
-    switch = SlotSwitch(client, SessionStore(stack.slot_dir), restore_miss_limit=1)
+    # One slot, not as many as llama-server has: its request below is pinned to slot 0.
+    switch = SlotSwitch(client, SessionStore(stack.slot_dir), restore_miss_limit=1, slots=1)
     headers = {"X-Session-Id": "honest"}
     session = identity.resolve(headers, {"messages": one}, one, stream=False,
                                header_names=load_settings({}).session_headers)

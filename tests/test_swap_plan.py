@@ -11,8 +11,9 @@ from dataclasses import replace
 from kvproxy.sessions.identity import Session, base_stem
 from kvproxy.slots.plan import (BASE, EMPTY, FOREIGN, HIT, OURS, RESTORED, UNKNOWN, Claim, Erase,
                                 FileFacts, KeepFile, MakeBase, Record, Refuse, Restore, Save, same_maker,
-                                SwapFacts, after_answer, is_hit, needs_slot_size, plan_swap,
+                                SwapFacts, is_hit, needs_slot_size, plan_swap,
                                 swap_needs_view, view_without_asking)
+from kvproxy.slots.answer import recorded_after
 from kvproxy.slots.state import Phase, SlotState
 
 MADE_BY = {"model_path": "m.gguf", "n_ctx": 4096, "build_info": "b1"}
@@ -154,26 +155,19 @@ def test_a_side_session_never_restores():
 
 def test_after_an_answer_a_persistent_session_has_unsaved_turns():
     ours = HOLDS_A.to(Phase.OURS)
-    done = after_answer(ours, A, HIT, held=52, timed=True, used_at="t2", several_slots=False,
-                        since_written=0.0)
-    assert done.state == ours.to(Phase.UNSAVED, tokens=52, used_at="t2")
-    assert not done.verify_restore and done.count_hit
-    restored = after_answer(ours, A, RESTORED, held=40, timed=True, used_at="t2",
-                            several_slots=False, since_written=0.0)
-    assert restored.verify_restore
+    assert recorded_after(ours, A, held=52, used_at="t2", several_slots=False,
+                          since_written=0.0) == ours.to(Phase.UNSAVED, tokens=52, used_at="t2")
     unproven = HOLDS_A.to(Phase.UNPROVEN)
-    assert after_answer(unproven, A, HIT, 40, True, "t2", False, 0.0).state is None, \
+    assert recorded_after(unproven, A, 40, "t2", False, 0.0) is None, \
         "an unproven slot stays unproven"
 
 
 def test_a_hit_writes_its_last_use_alone_at_most_once_a_second_and_only_with_several_slots():
     same = HOLDS_A
-    assert after_answer(same, A, HIT, 40, True, "t2", several_slots=False,
-                        since_written=5.0).state is None
-    assert after_answer(same, A, HIT, 40, True, "t2", several_slots=True,
-                        since_written=0.5).state is None
-    assert after_answer(same, A, HIT, 40, True, "t2", several_slots=True,
-                        since_written=1.0).state == replace(same, used_at="t2")
+    assert recorded_after(same, A, 40, "t2", several_slots=False, since_written=5.0) is None
+    assert recorded_after(same, A, 40, "t2", several_slots=True, since_written=0.5) is None
+    assert recorded_after(same, A, 40, "t2", several_slots=True,
+                          since_written=1.0) == replace(same, used_at="t2")
 
 
 def test_a_fork_restores_the_file_it_was_forked_from_and_is_recorded_as_itself():

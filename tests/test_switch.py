@@ -13,6 +13,9 @@ from tests.fake_llama import UPSTREAM, FakePrompt, MODEL, stem_of
 
 
 def make_switch(tmp_path, **kwargs):
+    # Not the shipped default: these tests count the stub's slot actions one by one, and a
+    # background save would add its own when its delay runs out (test_save_behind.py tests it).
+    kwargs.setdefault("save_behind", False)
     return SlotSwitch(LlamaClient(UPSTREAM), SessionStore(tmp_path), **kwargs)
 
 

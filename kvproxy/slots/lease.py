@@ -6,7 +6,7 @@ from typing import Any
 from urllib.parse import quote
 
 from kvproxy.sessions.identity import Session
-from kvproxy.slots.executor import Prefill, PromptView
+from kvproxy.slots.outcome import Prefill, PromptView
 from kvproxy.slots.plan import BASE, MISS, RESTORED
 from kvproxy.slots.restore_check import MIN_TOKENS_TO_VERIFY
 from kvproxy.storage.store import now_iso

@@ -26,6 +26,10 @@ TOKEN_SLACK = 1
 HIT, RESTORED, BASE, MISS = "hit", "restored", "base", "miss"
 # Seconds between writes of a slot's last use alone to the state file (see after_answer).
 USED_AT_RESOLUTION_S = 1.0
+# A system prompt shorter than this is not worth a snapshot of its own.
+MIN_BASE_TOKENS = 32
+# llama-server's answer to a restore of a file it cannot take (another KV format, layers).
+REFUSED_STATUS = 400
 
 
 def judge_slot(entry: dict | None, expected: int) -> str:
@@ -186,7 +190,29 @@ class Record:
     session: Session
 
 
-Action = Union[Save, KeepFile, Claim, Refuse, Restore, Erase, MakeBase, Adopt, Record]
+@dataclass(frozen=True)
+class MarkUnproven:
+    """Trust nothing the slot holds until its next good swap (memory and state file)."""
+    slot: int
+
+
+@dataclass(frozen=True)
+class WriteRecord:
+    """Write the slot's record into the state table; ``answered``: the bookkeeping after an
+    answer, which also writes the swap's record and the slot's last use."""
+    slot: int
+    state: SlotState
+    answered: bool = False
+
+
+@dataclass(frozen=True)
+class NoteKvFormat:
+    """The KV format llama-server writes, read from a file it saved (the restore probe's)."""
+    kv_format: str
+
+
+Action = Union[Save, KeepFile, Claim, Refuse, Restore, Erase, MakeBase, Adopt, Record,
+               MarkUnproven, WriteRecord, NoteKvFormat]
 # The actions that fill the slot: the first Restore that succeeds ends them.
 FILLING = (Refuse, Restore, Erase, MakeBase)
 
@@ -266,10 +292,7 @@ def plan_swap(facts: SwapFacts) -> list[Action]:
     state, slot = facts.state, facts.slot
     actions: list[Action] = []
     if state.keeps_file and state.phase is not Phase.OURS:
-        if facts.view == OURS and not facts.restoring_off and worth_saving(state):
-            actions.append(Save(slot, state))
-        else:
-            actions.append(KeepFile(slot, state, facts.view, facts.restoring_off))
+        actions.append(save_or_keep(slot, state, facts.view, facts.restoring_off))
     actions.append(Claim(slot, facts.session))
     if holds_seed(facts):
         return actions + [Adopt(slot, state.stem, state.tokens), Record(slot, facts.session)]
@@ -284,6 +307,25 @@ def plan_swap(facts: SwapFacts) -> list[Action]:
         actions.append(MakeBase(slot, facts.session.base_hash, facts.session.model))
     actions.append(Record(slot, facts.session))
     return actions
+
+
+def save_or_keep(slot: int, state: SlotState, view: str, restoring_off: bool = False,
+                 again: bool = False) -> Save | KeepFile:
+    """The one rule for saving a slot over its session's file, used by the swap, the save
+    behind, the checkpoint and side requests: only when a fresh view of ``/slots`` proves
+    the slot holds that session (``OURS``), restoring is on (no disk for files never
+    restored) and the slot has turns the file lacks (``worth_saving``; ``again``: the
+    checkpoint saves a session whose file has them too). Anything else is never saved over
+    a file: it stays as it was (``KeepFile``)."""
+    if view == OURS and not restoring_off and state.keeps_file and \
+            (worth_saving(state) or (again and state.phase is Phase.OURS)):
+        return Save(slot, state)
+    return KeepFile(slot, state, view, restoring_off)
+
+
+def saved_over(actions: list[Action]) -> bool:
+    """Whether the actions save a slot over a file."""
+    return any(isinstance(action, Save) for action in actions)
 
 
 def undoable(actions: list[Action]) -> bool:
@@ -304,45 +346,6 @@ def needs_slot_size(facts: SwapFacts) -> bool:
     """Whether a candidate passes every check but the slot's size: only then ask /slots."""
     return any(restore_problem(file, facts.made_by, None, facts.slot) is None
                for file, _ in candidates(facts))
-
-
-# -- after an answer ---------------------------------------------------------------------
-@dataclass(frozen=True)
-class Bookkeeping:
-    """What an answer changed in the slot's record."""
-
-    state: SlotState | None      # the slot's new record; None: unchanged
-    write_used_at: bool          # write the slot's last use although nothing else changed
-    verify_restore: bool         # compare the restored tokens with what llama-server reused
-    count_hit: bool              # a persistent session: its sidecar counts the request
-
-
-def after_answer(state: SlotState, session: Session, cache: str, held: int, timed: bool,
-                 used_at: str, several_slots: bool, since_written: float) -> Bookkeeping:
-    """The record after a request of ``session`` that left ``held`` tokens in the slot
-    (0: unknown). A persistent session now has turns its file lacks (``UNSAVED``); an
-    unproven slot stays unproven. The last use orders slots for eviction, so it matters
-    only with several slots: written alone at most once a second (``since_written``:
-    seconds since this process last wrote it), so a no-swap request writes no more with
-    several slots than with one."""
-    changes: dict = {}
-    if held and state.tokens != held:
-        changes["tokens"] = held
-    phase = state.phase
-    if session.persistent and state.trusted:
-        phase = Phase.UNSAVED
-    due = several_slots and since_written >= USED_AT_RESOLUTION_S
-    new = None
-    if changes or phase is not state.phase:
-        new = state.to(phase, used_at=used_at, **changes)
-    elif due:
-        new = state.to(phase, used_at=used_at)
-    return Bookkeeping(new, due, cache in (RESTORED, BASE) and timed, session.persistent)
-
-
-def held_by_timings(timings: dict) -> int:
-    """What the slot holds after an answer: the prompt it reused and computed plus the answer."""
-    return sum(int(timings.get(k) or 0) for k in ("cache_n", "prompt_n", "predicted_n"))
 
 
 # -- the rest ----------------------------------------------------------------------------
@@ -457,3 +460,29 @@ def side_landed_in(table: dict[int, SlotState], listing, slots: list[int]) -> li
         if judge_slot(entries.get(slot), state.tokens) != OURS:
             changed.append(slot)
     return changed
+
+
+# -- policy of the executor's I/O ---------------------------------------------------------
+def base_worth_making(system_tokens: list[int] | None) -> bool:
+    """Whether a system prompt is long enough for a base snapshot of its own."""
+    return bool(system_tokens) and len(system_tokens) >= MIN_BASE_TOKENS
+
+
+def save_protected(stem: str, keep: set[str], held: set[str]) -> set[str]:
+    """Files eviction must leave alone while ``stem`` is saved: itself, the files the swap
+    may restore (``keep``), and those of sessions other slots (of any model) hold
+    (``held``): they may be saved over, not evicted."""
+    return {stem, *keep, *held}
+
+
+def trim_after_save(saved_bytes: int, room_made: int) -> bool:
+    """Whether a save came out bigger than the room made for it: the folder is trimmed."""
+    return saved_bytes > room_made
+
+
+def remember_refusal(status: int | None, made_by: dict | None) -> bool:
+    """Whether a failed restore is written into the file's sidecar as refused by this
+    llama-server: only its 400 (the file does not fit it), and only against a confirmed
+    fingerprint (planned with an unconfirmed one, the server refusing may be another)."""
+    return status == REFUSED_STATUS and made_by is not None
+

@@ -11,12 +11,12 @@ that may stay busy for minutes.
 Requests of this process that cannot be placed wait in arrival order (bounded
 in time and in number, as before with one slot); every release wakes them,
 and they look again every ``POLL`` seconds for slots freed by other processes.
-One exception (``queue_position``): a returning conversation, whose turn is a restore and
+One exception (``queue.join``): a returning conversation, whose turn is a restore and
 its few new tokens, goes before new ones that wait for a whole prefill, unless they were
 overtaken ``MAX_OVERTAKEN`` times already; so a chat in progress is not held up for minutes
 behind other users' long first prompts, and a new one waits at most that many short turns
 longer than in arrival order. With several slots, one keeps taking new conversations
-(``_serving_order``), so their prefills go on while the other slots serve returning turns.
+(``queue.serving_order``), so their prefills go on while the other slots serve returning turns.
 A slot given back by a conversation while new conversations wait is kept for its next turn
 ``keep`` seconds (``give_back``): they leave it alone meanwhile (``placement``), so a chat whose
 user or tool answers at once is not put behind another conversation's whole prefill. At most
@@ -33,13 +33,13 @@ from typing import Callable, NamedTuple
 
 from kvproxy.telemetry import metrics
 from kvproxy.slots.placement import facts_from_table, queue_order
+from kvproxy.slots.queue import (MAX_OVERTAKEN, Kept, Waiter, join, keep_on_give_back,  # noqa: F401
+                                 keeps_needed, live_keeps, overtaken_by_take, serving_order)
 from kvproxy.slots.lock import SlotBusy, SlotLock
 from kvproxy.slots.state import SlotTable
 from kvproxy.storage.store import SessionStore
 
 POLL = 0.1  # seconds between looks at slots other processes may have freed
-# A new conversation overtaken this many times by returning ones is not overtaken again.
-MAX_OVERTAKEN = 16
 
 
 class Taken(NamedTuple):
@@ -48,39 +48,13 @@ class Taken(NamedTuple):
     placed: str  # placement's reason: HOLDER, FREE or EVICT
 
 
-class _Waiter:
-    __slots__ = ("key", "side", "short", "overtaken", "deadline")
-
-    def __init__(self, key: str | None, side: bool, short: bool = False,
-                 deadline: float = float("inf")):
-        self.key, self.side, self.short = key, side, short
-        self.overtaken = 0
-        self.deadline = deadline  # time.monotonic() at which its wait for a slot ends
-
-    def new(self) -> bool:
-        """A new conversation (a whole prefill): neither a side request nor a short turn."""
-        return not self.side and not self.short
-
-    def honours_keeps(self, keep_until: float = 0.0) -> bool:
-        """A new conversation leaves kept slots alone, unless overtaken ``MAX_OVERTAKEN``
-        times already or a keep until ``keep_until`` would outlast its wait; returning
-        conversations and side requests do not."""
-        return self.new() and self.overtaken < MAX_OVERTAKEN and keep_until < self.deadline
-
-
-def queue_position(queue: list, short: bool, counts: bool = True) -> int:
-    """Where a new waiter joins ``queue`` (waiters with ``short`` and ``overtaken``): at the
-    end, except that a short one (a returning conversation) goes before the new
-    conversations at the end of the queue that were overtaken less than ``MAX_OVERTAKEN``
-    times (each of them counts one more, unless not ``counts``: a slot is serving new
-    conversations meanwhile, so they are not held up)."""
-    index = len(queue)
-    while short and index > 0 and not queue[index - 1].short \
-            and queue[index - 1].overtaken < MAX_OVERTAKEN:
-        index -= 1
-    for passed in queue[index:] if counts else ():
+def queue_position(queue: list[Waiter], short: bool, counts: bool = True) -> int:
+    """Where a new waiter joins ``queue`` (``queue.join``); the waiters it passes count one
+    more overtaking."""
+    joined = join(queue, short, counts)
+    for passed in joined.passed:
         passed.overtaken += 1
-    return index
+    return joined.index
 
 
 class SlotPool:
@@ -94,12 +68,12 @@ class SlotPool:
         self.timeout = timeout
         self.max_waiters = max_waiters
         self._cond = threading.Condition()
-        self._queue: list[_Waiter] = []
+        self._queue: list[Waiter] = []
         self._locks: dict[int, SlotLock] = {}
         self._elsewhere: dict[int, float] = {}  # slot -> until when another process holds it
         self.waiting = 0  # requests of this process waiting for a slot now
         self.used_here: dict[int, str] = {}  # slot -> ISO time this process last used it
-        self._kept: dict[int, tuple[str, float]] = {}  # slot -> (session key, until when)
+        self._kept: dict[int, Kept] = {}  # slot -> the conversation it is kept for, until when
         self._max_kept = 1  # slots kept at once: all but one of the slots taken from (take)
         self._saving: set[int] = set()  # slots held by a background save (hold_for_save)
         self._new_in: set[int] = set()  # slots leased to a new conversation that waited
@@ -131,7 +105,7 @@ class SlotPool:
         ``SlotUnavailable`` (the lock cannot be taken at all)."""
         bound = self.timeout if timeout is None else timeout
         started = time.monotonic()
-        me = _Waiter(key, side, deadline=started + bound)
+        me = Waiter(key, side, deadline=started + bound)
         counted = waited = False
         with self._cond:
             self._max_kept = max(1, len(slot_ids) - 1)
@@ -145,7 +119,7 @@ class SlotPool:
                     facts = facts_from_table(table, slot_ids, self._busy(), self.used_here,
                                              self._kept_now(), self._saving)
                     keep_until = time.monotonic() + self.keep
-                    order = self._serving_order(len(slot_ids) > 1)
+                    order = serving_order(self._queue, len(slot_ids) > 1, bool(self._new_in))
                     decision = queue_order(facts, [(w.key, w.side, w.honours_keeps(keep_until))
                                                    for w in order], order.index(me))
                 if decision.slot is not None:
@@ -183,26 +157,12 @@ class SlotPool:
         finally:
             with self._cond:
                 self._queue.remove(me)
-                if not any(waiter.honours_keeps() for waiter in self._queue):
+                if not keeps_needed(self._queue):
                     self._kept.clear()  # nobody left to keep the slots from
                 if counted:
                     self.waiting -= 1
                     metrics.WAITERS.dec()
                 self._cond.notify_all()
-
-    def _serving_order(self, several_slots: bool) -> list[_Waiter]:
-        """The queue in the order placement serves it (caller holds _cond): with several
-        slots and none running a new conversation that waited, the first new conversation
-        waiting goes first. So one slot keeps taking new conversations, one at a time, while
-        the others serve returning turns: their prefill fills the machine while users pause,
-        and a returning turn waits for other short turns, not behind a whole prefill."""
-        order = list(self._queue)
-        if several_slots and not self._new_in:
-            first_new = next((w for w in order if w.new()), None)
-            if first_new is not None:
-                order.remove(first_new)
-                order.insert(0, first_new)
-        return order
 
     def hold_for_save(self, slot: int) -> bool:
         """Take ``slot`` for a background save if it is free now; placement waits for it
@@ -230,30 +190,25 @@ class SlotPool:
                 self._elsewhere.pop(slot, None)
                 self._saving.discard(slot)
                 self._new_in.discard(slot)
-                until = time.monotonic() + self.keep
-                if keep_for is not None and self.keep > 0 and \
-                        len(self._kept_now()) < self._max_kept and \
-                        any(waiter.honours_keeps(until) for waiter in self._queue):
-                    self._kept[slot] = (keep_for, until)
+                kept = keep_on_give_back(keep_for, self.keep, time.monotonic(), self._kept,
+                                         self._max_kept, self._queue)
+                if kept is not None:
+                    self._kept[slot] = kept
                 self._cond.notify_all()
 
     def _kept_now(self) -> dict[int, str]:
         """Slots kept for a session's next turn, and for which session (caller holds _cond)."""
-        now = time.monotonic()
-        for slot in [s for s, (_, until) in self._kept.items() if until <= now]:
-            del self._kept[slot]
-        return {slot: key for slot, (key, _) in self._kept.items()}
+        self._kept = live_keeps(self._kept, time.monotonic())
+        return {slot: kept.key for slot, kept in self._kept.items()}
 
-    def _took(self, slot: int, taker: _Waiter, waited: bool) -> None:
-        """``slot`` was taken: its keep ends. Taken by the conversation it was kept for while
-        new conversations waited, it overtook each of them (unless a slot serves new ones).
-        Taken by a new conversation that waited, the slot now serves new ones."""
+    def _took(self, slot: int, taker: Waiter, waited: bool) -> None:
+        """``slot`` was taken: its keep ends, and the waiters the take overtook count it
+        (``queue.overtaken_by_take``). Taken by a new conversation that waited, the slot now
+        serves new ones."""
         with self._cond:
             kept = self._kept.pop(slot, None)
-            if kept is not None and kept[0] == taker.key and not self._new_in:
-                for waiter in self._queue:
-                    if waiter is not taker and waiter.honours_keeps():
-                        waiter.overtaken += 1
+            for waiter in overtaken_by_take(taker, kept, bool(self._new_in), self._queue):
+                waiter.overtaken += 1
             if waited and taker.new():
                 self._new_in.add(slot)
 

@@ -4,7 +4,8 @@ A sliding-window model without ``--swa-full`` (and a hybrid or recurrent model o
 llama.cpp build) answers a restore with success and then recomputes the whole prompt.
 The probe finds out with a short text of its own: prefill it, save, erase, restore, then
 ask for one token and read ``timings.cache_n``. The probe file also tells the KV format
-(``slot_file.kv_format``), which ``/props`` does not report. The slot is left empty.
+(``slot_file.kv_format``), which ``/props`` does not report. The slot is left empty: what the
+probe leaves behind is a list of actions (``after_probe``) the switch's executor carries out.
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvproxy.slots.plan import OURS, fingerprint_key, judge_slot
+from kvproxy.slots.plan import (OURS, MarkUnproven, NoteKvFormat, WriteRecord, fingerprint_key,
+                                judge_slot)
 from kvproxy.slots.restore_check import cause_of, judge
 from kvproxy.slots.state import Phase, SlotState, emptied
 from kvproxy.storage.store import PROBE_PREFIX, unlink_with_companions
@@ -103,19 +105,24 @@ def prove_restores(switch, client: LlamaClient) -> ProbeVerdict | None:
     return probe_slot(switch, client, slot, table.get(slot) or SlotState())
 
 
+def after_probe(slot: int, state: SlotState, verdict: ProbeVerdict) -> list:
+    """What the probe leaves behind, as actions: a slot it stopped in half-way is trusted with
+    nothing; a finished probe leaves it empty and tells the KV format it read."""
+    if verdict.honoured is None:
+        return [MarkUnproven(slot)] if verdict.touched else []
+    return [WriteRecord(slot, emptied(state, False))] + \
+        ([NoteKvFormat(verdict.kv_format)] if verdict.kv_format else [])
+
+
 def probe_slot(switch, client: LlamaClient, slot: int, state: SlotState) -> ProbeVerdict:
     """Probe in ``slot`` (held by the caller, holding ``state``), leave it empty, and tell
     the fingerprint and the restore check what was measured."""
     verdict = probe(client, switch.store.root, slot)
+    switch.executor.carry_out(after_probe(slot, state, verdict))
     if verdict.honoured is None:
-        if verdict.touched:
-            switch.mark_unknown(slot)  # the probe stopped half-way: trust nothing there
         log.warning("%s; restores are judged on real requests instead", verdict.detail)
         return verdict
-    switch.table.put(slot, emptied(state, False))
-    if verdict.kv_format:
-        switch.kv_format = verdict.kv_format
-    made_by = switch.current_made_by()
+    made_by = switch.current_made_by()  # with the KV format just read
     cause = "" if verdict.honoured else cause_of(gguf.file_facts(made_by.get("model_path"))[0]
                                                  if made_by.get("model_path") else {})
     switch.restore_check.measured(fingerprint_key(made_by), verdict.honoured, cause)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from kvproxy.sessions.identity import SIDE_SESSION, Session
 from kvproxy.upstream.llama import UpstreamError, UpstreamUnavailable
-from kvproxy.slots.plan import OURS, save_before_side, side_landed_in, side_slot
+from kvproxy.slots.plan import save_before_side, side_landed_in, side_slot
 from kvproxy.slots.state import SlotState
 from kvproxy.storage.store import StorageError
 
@@ -66,21 +66,17 @@ def side_task(switch: "SlotSwitch") -> Iterator["Lease"]:
 
 
 def _save_unsaved(switch: "SlotSwitch", slots: list[int]) -> None:
-    """Save each held slot whose session has turns its file lacks, so its file matches."""
+    """Save each held slot whose session has turns its file lacks, so its file matches; each
+    decided by the one save rule (``plan.save_or_keep``, on a fresh view of the slot)."""
     table = switch.table.read()
-    due = [slot for slot in slots if save_before_side(table.get(slot) or SlotState())]
-    if not due:
-        return
-    made_by = switch.current_made_by()
-    for slot in due:
-        state = table[slot]
-        view = switch.slot_view(state, slot)
-        if view != OURS:
-            log.info("not saving session %s before a side request: slot %d is %s",
-                     state.session_id, slot, view)
+    for slot in slots:
+        state = table.get(slot) or SlotState()
+        if not save_before_side(state):
             continue
+        decision, made_by = switch.housekeeping.save_decision(slot, state,
+                                                              check_restoring=False)
         try:
-            switch.save_held(slot, state, made_by)
+            switch.executor.save_decided(decision, made_by, "before a side request")
         except StorageError as exc:
             log.warning("could not save session %s of slot %d before a side request: %s",
                         state.session_id, slot, exc)

@@ -1,0 +1,87 @@
+"""The facts a slot decision is made on, gathered by asking llama-server and the slot folder.
+
+What ``/slots`` shows of a slot (its view, its size), the files a swap may restore, and the
+``SwapFacts`` the plan decides on. Every listing read here is remembered in ``SlotMemory``.
+Reads only: nothing here changes a slot or a file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from kvproxy.sessions.identity import Session, base_stem
+from kvproxy.slots import plan
+from kvproxy.slots.memory import SlotMemory
+from kvproxy.slots.plan import FileFacts, SwapFacts
+from kvproxy.slots.state import SlotState
+from kvproxy.storage.session_files import SessionFiles
+from kvproxy.upstream.llama import LlamaClient, UpstreamError, UpstreamUnavailable
+
+log = logging.getLogger("kvproxy.switch")
+
+
+class SlotFacts:
+    """Asks llama-server's ``/slots`` and the slot folder what a decision needs."""
+
+    def __init__(self, client: LlamaClient, files: SessionFiles, memory: SlotMemory):
+        self.client = client
+        self.files = files
+        self.memory = memory
+
+    def slot_entry(self, slot: int) -> dict | None:
+        """``/slots``' entry for ``slot`` (and every slot's n_ctx noted); raises when unreachable.
+        A listing from another llama-server process than the last one is noted in ``restart``."""
+        self.memory.note_listing(self.client.slots())
+        return self.memory.entries.get(slot)
+
+    def slot_n_ctx(self, slot: int) -> int | None:
+        if slot not in self.memory.n_ctx:
+            try:
+                self.slot_entry(slot)
+            except (UpstreamError, UpstreamUnavailable):
+                return None
+        return self.memory.n_ctx.get(slot)
+
+    def view(self, state: SlotState, slot: int, trust_connection: bool = False) -> str:
+        """Whether the slot holds what kvproxy's last action left in it (``OURS``), or not
+        (``plan.view_without_asking`` says when ``/slots`` need not be asked)."""
+        open_since = trust_connection and state.tokens > 0 and \
+            self.client.still_open(self.memory.witness(slot))
+        known = plan.view_without_asking(state, self.memory.uncertain(slot), open_since)
+        if known is not None:
+            return known
+        try:
+            entry = self.slot_entry(slot)
+        except (UpstreamError, UpstreamUnavailable) as exc:
+            log.warning("GET /slots failed (%s): slot %d is treated as foreign", exc, slot)
+            return plan.UNKNOWN
+        return plan.judge_slot(entry, state.tokens)
+
+    def held_now(self, slot: int) -> int:
+        """What ``/slots`` says the slot holds now: 0 when it cannot tell (llama-server gone:
+        the next swap finds the slot empty or unknown)."""
+        try:
+            entry = self.slot_entry(slot)
+        except (UpstreamError, UpstreamUnavailable):
+            return 0
+        return int(entry.get("n_prompt_tokens") or 0) if entry and "id_task" in entry else 0
+
+    def file_facts(self, stem: str) -> FileFacts:
+        if not self.files.has(stem):
+            return FileFacts(stem)
+        sidecar, problem = self.files.check(stem)
+        return FileFacts(stem, True, sidecar, problem)
+
+    def swap_facts(self, slot: int, state: SlotState, session: Session, view: str,
+                   made_by: dict, restoring_off: bool, base_snapshots: bool,
+                   has_prompt: bool) -> SwapFacts:
+        own = self.file_facts(session.stem) if session.persistent else None
+        base = self.file_facts(base_stem(session.base_hash, session.model)) \
+            if session.persistent and session.base_hash and base_snapshots else None
+        seed = self.file_facts(session.seed_stem) \
+            if session.persistent and session.seed else None
+        facts = SwapFacts(slot, state, session, view, made_by, restoring_off, own, base,
+                          None, base_snapshots, has_prompt, seed)
+        if plan.needs_slot_size(facts):
+            facts = dataclasses.replace(facts, n_ctx=self.slot_n_ctx(slot))
+        return facts
