@@ -10,7 +10,7 @@ from flask_smorest import Api
 from kvproxy.config import Settings, check_slot_dir, load_settings
 from kvproxy.web.common import FreeHeldSlots, see_sent_replies
 from kvproxy.upstream.llama import LlamaClient
-from kvproxy.web.relay import Relay
+from kvproxy.relay.relay import Relay
 from kvproxy.ops.startup import Contract
 from kvproxy.storage.store import SessionStore
 from kvproxy.slots.models import ModelSwitches

@@ -1,4 +1,5 @@
-"""What every dialect does the same way: read the body, run the call, hold the slot."""
+"""What every dialect does the same way: read the body, name the caller, run the call, hold
+the slot until the reply is sent."""
 from __future__ import annotations
 
 import logging
@@ -12,15 +13,26 @@ from flask import Response, current_app, request
 
 from kvproxy import routes
 from kvproxy.errors import ClientError, InternalError, KvproxyError
-from kvproxy.web.relay import ChatCall, Relay
+from kvproxy.relay.context import Caller, ChatCall
+from kvproxy.relay.relay import Relay
 from kvproxy.translate import strict_json
 from kvproxy.upstream.llama import ends_the_answer
+from kvproxy.web import users
 
 log = logging.getLogger("kvproxy.dialects")
 
 
 def relay() -> Relay:
     return current_app.extensions["kvproxy.relay"]
+
+
+def caller() -> Caller:
+    """Who sends this request: the user its API key names (``users.check_key`` put it on
+    the request), the client's address (behind a trusted proxy, the forwarded one) and its
+    User-Agent. The relay scopes sessions by it."""
+    return Caller(user=request.environ.get(users.USER),
+                  address=users.client_address(request.environ),
+                  agent=request.headers.get("User-Agent", ""))
 
 
 def json_body() -> dict:
@@ -282,6 +294,8 @@ def serve_chat(call: ChatCall, *, stream: bool,
     """
     if call.still_wanted is None:
         call.still_wanted = client_still_there()
+    if call.caller is None:
+        call.caller = caller()
     if not stream:
         answer = relay().complete(call)
         hold_slot_until_closed(answer.close)
