@@ -104,7 +104,7 @@ test-unit: $(VENV)/.requirements
 # MUTATE_TESTS="tests/test_switch.py ..." runs only those test files against each mutant (the
 # switch is covered by most of the suite: a full run of it takes hours on two cores otherwise);
 # MUTATE_TIMEOUT_MULTIPLIER=2 stops a mutant that hangs a test sooner (mutmut's default: 15x).
-MUTATE ?= kvproxy/slots/switch.py kvproxy/sessions/identity.py kvproxy/storage/store.py kvproxy/web/relay.py
+MUTATE ?= kvproxy/slots/switch.py kvproxy/sessions/identity.py kvproxy/storage/store.py kvproxy/relay/relay.py kvproxy/relay/session.py kvproxy/relay/answer.py kvproxy/relay/prompt.py
 MODULES ?= $(MUTATE)
 MUTATE_TIMEOUT ?= 3600
 MUTATE_TESTS ?=

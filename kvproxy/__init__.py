@@ -18,7 +18,7 @@ from kvproxy.storage.store import SessionStore
 from kvproxy.upstream.llama import LlamaClient
 from kvproxy.version import __version__
 from kvproxy.web.common import FreeHeldSlots
-from kvproxy.web.relay import Relay
+from kvproxy.relay.relay import Relay
 
 __all__ = ["__version__", "create_app"]
 

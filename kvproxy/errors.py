@@ -45,6 +45,12 @@ class KvproxyError(Exception):
         return {**retry, **self.extra_headers}
 
 
+# The one message for a client route called without a valid key (the gate, and the relay's
+# scope when a call reaches it without a user while keys are set).
+MISSING_KEY = ("missing or wrong API key: send 'Authorization: Bearer <key>' or "
+               "'x-api-key: <key>'")
+
+
 class ClientError(KvproxyError):
     """The client's request cannot be served as sent: a 400 unless another 4xx says more
     (404 for an unknown model, 403 for a route kvproxy keeps to itself)."""

@@ -51,7 +51,7 @@ def post_worker_init(worker):
     """Start the stream deadline when the worker is told to stop, before gunicorn's handler."""
     import signal
 
-    from kvproxy.web.relay import begin_shutdown
+    from kvproxy.relay.answer import begin_shutdown
 
     previous = signal.getsignal(signal.SIGTERM)
 

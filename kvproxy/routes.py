@@ -79,6 +79,8 @@ class Route:
     added_by: str = ""  # Flask or flask-smorest adds the rule itself
     quiet: bool = False  # polled (monitors, the status page): its request lines at DEBUG
     reads_records: bool | None = None  # waits for the replies sent; None: as its family
+    # Methods after which llama-server's fingerprint must be asked again (adapters changed).
+    changes_fingerprint: tuple[str, ...] = ()
 
     def auth_for(self, method: str) -> str:
         """Who may call this route with ``method``."""
@@ -162,7 +164,7 @@ ROUTES: tuple[Route, ...] = tuple([
           note="slot state, read only (slot actions are kvproxy's); it shows the last "
                "prompt's length, sampling settings and seed"),
     Route("/lora-adapters", ("GET", "POST"), "passthrough", PLAIN, token=POST,
-          note="LoRA adapter scales"),
+          changes_fingerprint=POST, note="LoRA adapter scales"),
     Route("/v1/health", GET, "passthrough", PLAIN, note="llama-server's own health"),
     Route("/v1/stream", ("GET", "DELETE"), "passthrough", PLAIN,
           note="resumable streams of the web UI"),

@@ -10,8 +10,9 @@ import responses
 
 from kvproxy import create_app
 from kvproxy.sessions import matching
+from kvproxy.relay.trails import TrailIndex
 from kvproxy.sessions.identity import Session
-from kvproxy.storage.store import SessionStore
+from kvproxy.storage.store import SIDECAR_FORMAT, SessionStore
 from tests.fake_llama import UPSTREAM, FakeLlama
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 40}
@@ -30,6 +31,11 @@ def assistant(text):
 
 def record(messages, sid="conv-a", scope="s"):
     return matching.trail_of(messages).record(Session(sid, "conversation-hash"), scope)
+
+
+def sidecar(path, trail):
+    """A sidecar file of the current format recording ``trail``."""
+    path.write_text(json.dumps({"format": SIDECAR_FORMAT, "stem": path.stem, "trail": trail}))
 
 
 def test_canonical_holds_roles_text_and_tool_calls_and_the_trail_no_text():
@@ -106,12 +112,12 @@ def test_follow_forks_to_a_new_id_seeded_from_the_saved_conversation():
 
 def test_the_index_reads_only_its_scope_and_rereads_changed_sidecars(tmp_path):
     chat = [SYSTEM, *EXAMPLES, user("ducks")]
-    (tmp_path / "a@m.json").write_text(json.dumps({"trail": record(chat, "conv-a", "mine")}))
-    (tmp_path / "b@m.json").write_text(json.dumps({"trail": record(chat, "conv-b", "theirs")}))
+    sidecar(tmp_path / "a@m.json", record(chat, "conv-a", "mine"))
+    sidecar(tmp_path / "b@m.json", record(chat, "conv-b", "theirs"))
     (tmp_path / "c@m.json").write_text("{not json")
-    index = matching.TrailIndex(tmp_path)
+    index = TrailIndex(SessionStore(tmp_path))
     assert [r["id"] for r in index.records("mine")] == ["conv-a"]
-    (tmp_path / "a@m.json").write_text(json.dumps({"trail": record(chat, "conv-a2", "mine")}))
+    sidecar(tmp_path / "a@m.json", record(chat, "conv-a2", "mine"))
     assert [r["id"] for r in index.records("mine")] == ["conv-a2"]
 
 
@@ -120,7 +126,7 @@ def test_the_index_takes_this_process_sidecar_writes_without_reading_them_back(t
                                                                               monkeypatch):
     chat = [SYSTEM, *EXAMPLES, user("ducks")]
     ours = SessionStore(tmp_path)
-    index = matching.TrailIndex(tmp_path)
+    index = TrailIndex(ours)
     ours.tell_sidecar_writes(index.learn)
     reads = []
     read = index._read
@@ -138,16 +144,16 @@ def test_the_index_takes_this_process_sidecar_writes_without_reading_them_back(t
 def test_the_index_knows_a_matched_request_before_its_sidecar_is_written(tmp_path):
     turn1 = [SYSTEM, *EXAMPLES, user("ducks")]
     turn2 = turn1 + [assistant("ok"), user("more")]
-    index = matching.TrailIndex(tmp_path)
+    index = TrailIndex(SessionStore(tmp_path))
     index.note(record(turn1, "conv-a", "mine"))
     index.note(record(turn1, "conv-b", "theirs"))
     assert [r["id"] for r in index.records("mine")] == ["conv-a"]
     # the sidecar still has the first turn while the second is in flight: the note wins
-    (tmp_path / "a@m.json").write_text(json.dumps({"trail": record(turn1, "conv-a", "mine")}))
+    sidecar(tmp_path / "a@m.json", record(turn1, "conv-a", "mine"))
     index.note(record(turn2, "conv-a", "mine"))
     assert [r["whole"] for r in index.records("mine")] == [record(turn2)["whole"]]
     # once the sidecar has it, the note is gone: a deleted conversation is forgotten
-    (tmp_path / "a@m.json").write_text(json.dumps({"trail": record(turn2, "conv-a", "mine")}))
+    sidecar(tmp_path / "a@m.json", record(turn2, "conv-a", "mine"))
     assert [r["whole"] for r in index.records("mine")] == [record(turn2)["whole"]]
     (tmp_path / "a@m.json").unlink()
     assert index.records("mine") == []
@@ -305,3 +311,13 @@ def test_a_new_chat_sharing_only_the_system_prompt_starts_from_the_base_not_anot
                           [saved], "s", MIN_CHARS,
                           lambda sid: Session(sid, "conversation-hash", key=sid))
     assert two.id == "conv-two" and two.seed is None
+
+
+def test_the_index_reads_sidecars_through_the_store_older_formats_included(tmp_path):
+    """A sidecar of an older kvproxy is migrated as the store reads it; a JSON file that is
+    no sidecar (no format) records no trail."""
+    chat = [SYSTEM, *EXAMPLES, user("ducks")]
+    (tmp_path / "a@m.json").write_text(json.dumps({"format": 2, "stem": "a@m",
+                                                   "trail": record(chat, "conv-a", "mine")}))
+    (tmp_path / "b@m.json").write_text(json.dumps({"trail": record(chat, "conv-b", "mine")}))
+    assert [r["id"] for r in TrailIndex(SessionStore(tmp_path)).records("mine")] == ["conv-a"]

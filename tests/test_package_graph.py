@@ -9,8 +9,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 from kvproxy import routes
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kvproxy"
@@ -134,27 +132,23 @@ def assert_no_cycle(graph: dict[str, set[str]]) -> None:
         " <-> ".join(group) for group in found)
 
 
-@pytest.mark.xfail(strict=True, reason="application layer pending")
 def test_no_package_cycle():
     assert_no_cycle(package_graph())
-
-
-def test_no_package_cycle_but_translate_and_web():
-    """Until translate/ stops importing web/ (the application layer), the one cycle left."""
-    graph = package_graph()
-    graph["translate"].discard("web")
-    assert_no_cycle(graph)
 
 
 def test_telemetry_imports_nothing_of_kvproxy():
     assert "kvproxy" not in imports_of("telemetry")
 
 
-@pytest.mark.xfail(strict=True, reason="application layer pending")
 def test_web_imports_neither_slots_nor_storage():
     assert not {"slots", "storage"} & package_graph()["web"]
 
 
-@pytest.mark.xfail(strict=True, reason="application layer pending")
 def test_translate_imports_no_flask():
     assert "flask" not in imports_of("translate")
+
+
+def test_the_relay_imports_neither_flask_nor_web_nor_ops():
+    """The application layer gets everything in its call (``relay/context.py``)."""
+    assert "flask" not in imports_of("relay")
+    assert not {"web", "ops"} & package_graph()["relay"]

@@ -13,7 +13,9 @@ import responses
 
 from kvproxy import create_app
 from kvproxy.sessions.identity import Session
-from kvproxy.web.relay import Answer, ChatCall, Prompt, timings_from_usage
+from kvproxy.relay.answer import Answer, timings_from_usage
+from kvproxy.relay.context import ChatCall
+from kvproxy.relay.prompt import Prompt
 from kvproxy.slots.switch import ClientGone
 from tests.fake_llama import UPSTREAM
 
@@ -110,7 +112,6 @@ def test_the_grouping_settings_reach_identity(tmp_path, fake):
 
 
 def test_a_call_marked_side_is_never_saved(tmp_path, fake):
-    from kvproxy.web.relay import ChatCall
     relay = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM}).extensions["kvproxy.relay"]
     session = relay.session_for(ChatCall(body={"messages": []}, side=True), stream=True)
     assert (session.id, session.source, session.persistent) == ("side", "side-request", False)
@@ -278,3 +279,69 @@ def test_one_answer_or_a_value_llama_server_judges_is_not_refused(client, body):
     reply = client.post("/v1/chat/completions", headers={"X-Session-Id": "bob"},
                         json={"messages": [{"role": "user", "content": "hi"}], **body})
     assert reply.status_code == 200, reply.get_data(as_text=True)
+
+
+# -- the application layer: its caller, its one side path, its boundaries ----------------
+def test_a_caller_is_scoped_by_its_user_with_keys_and_by_its_client_without():
+    from kvproxy.errors import ClientError
+    from kvproxy.relay.context import Caller, scope_of
+    assert Caller("alice", "192.0.2.1", "curl").scope(keys_set=True) == ("alice", None)
+    assert Caller(None, "192.0.2.1", "curl").scope(keys_set=False) == \
+        (None, "192.0.2.1\x00curl")
+    with pytest.raises(ClientError) as refused:
+        Caller(None, "192.0.2.1", "curl").scope(keys_set=True)  # never unscoped with keys
+    assert refused.value.status == 401
+    assert scope_of(None, keys_set=True) == (None, None), "a call from code is unscoped"
+
+
+def test_the_session_follows_the_caller_handed_in(tmp_path, fake):
+    from kvproxy.relay.context import Caller
+    relay = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM}).extensions["kvproxy.relay"]
+    body = {"messages": [{"role": "user", "content": "hello"}]}
+    here = relay.session_for(ChatCall(body=body, raw=body, caller=Caller(None, "192.0.2.1", "a")),
+                             stream=False)
+    there = relay.session_for(ChatCall(body=body, raw=body, caller=Caller(None, "192.0.2.2", "a")),
+                              stream=False)
+    assert here.source == there.source == "conversation-hash" and here.key != there.key
+
+
+def test_every_side_request_runs_on_the_switch_and_client_of_the_model_it_names(monkeypatch):
+    """Ollama's embeddings (built by kvproxy) and passthrough side routes (relayed as they
+    came) take the one side path: routed by model, pinned to the side task's slot."""
+    import contextlib
+    from kvproxy.relay import side
+    from kvproxy.relay.context import RawCall
+
+    class Client:
+        def __init__(self, model):
+            self.model, self.sent = model, []
+
+        def _named(self, body):
+            return {**body, "model": self.model}
+
+        def post_json(self, path, body):
+            self.sent.append((path, body))
+            return {"ok": True}
+
+        def forward(self, method, path, **kwargs):
+            self.sent.append((path, json.loads(kwargs["data"])))
+            return SimpleNamespace(status_code=200, headers={})
+
+        def content(self, upstream):
+            return b"{}"
+
+    clients = {"a": Client("router-a"), "b": Client("router-b")}
+    routed = []
+    models = SimpleNamespace(route=lambda model: routed.append(model) or (model, clients[model]))
+    lease = SimpleNamespace(slot=1, headers=lambda: {"X-KVProxy-Session": "side"})
+    held = []
+    monkeypatch.setattr(side, "side_task",
+                        contextlib.contextmanager(lambda switch: (held.append(switch), (yield lease))))
+    assert side.side_json(models, "/v1/embeddings", {"model": "a", "input": "x"}) == {"ok": True}
+    reply = side.side_relayed(models, RawCall("POST", "/v1/rerank", data=b'{"model": "b"}',
+                                              model="b"))
+    assert routed == held == ["a", "b"]
+    assert clients["a"].sent == [("/v1/embeddings", {"model": "router-a", "input": "x",
+                                                     "id_slot": 1})]
+    assert clients["b"].sent == [("/v1/rerank", {"model": "b", "id_slot": 1})]
+    assert reply.headers == {"X-KVProxy-Session": "side"} and reply.content == b"{}"

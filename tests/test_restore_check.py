@@ -11,7 +11,8 @@ import pytest
 from kvproxy.slots.restore_check import RestoreCheck
 from kvproxy.upstream import llama
 from kvproxy.upstream.llama import LlamaClient, UpstreamUnavailable
-from kvproxy.web.relay import ChatCall, Prompt
+from kvproxy.relay.context import ChatCall
+from kvproxy.relay.prompt import Prompt
 
 MOMENT = 0.3
 

@@ -7,7 +7,7 @@ import errno
 import pytest
 
 from kvproxy import create_app
-from kvproxy.web import relay as relay_module
+from kvproxy.relay import answer as relay_module
 from kvproxy.translate import anthropic as anthropic_translate, ollama as ollama_translate
 from kvproxy.web import common, openai
 from kvproxy.upstream.llama import LlamaClient

@@ -9,7 +9,8 @@ import requests
 from kvproxy.sessions import identity
 from kvproxy.config import load_settings
 from kvproxy.upstream.llama import LlamaClient
-from kvproxy.web.relay import ChatCall, Prompt
+from kvproxy.relay.context import ChatCall
+from kvproxy.relay.prompt import Prompt
 from kvproxy.storage.store import SessionStore
 from kvproxy.slots.switch import RESTORED, SlotSwitch
 from tests.conftest import long_text

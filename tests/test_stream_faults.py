@@ -10,7 +10,7 @@ import requests
 import responses
 
 from kvproxy import create_app
-from kvproxy.web import relay
+from kvproxy.relay import answer as relay
 from kvproxy.upstream.llama import UpstreamUnavailable, sse_events
 from tests.fake_llama import UPSTREAM, FakeLlama
 

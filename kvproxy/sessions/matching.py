@@ -14,8 +14,8 @@ client's own conversations (one scope: one user, or one client address and agent
   seeded from that conversation's file (restored, never saved over);
 - else it is the conversation of its start, as before.
 
-Pure apart from ``TrailIndex``, which reads sidecars (bounded, cached by modification time).
-No tokenizer call: characters stand for tokens at a conservative ratio.
+Pure functions, no I/O: the saved trails come from ``relay.trails.TrailIndex``, which reads
+them through the store. No tokenizer call: characters stand for tokens at a conservative ratio.
 """
 from __future__ import annotations
 
@@ -23,10 +23,7 @@ import dataclasses
 import hashlib
 import json
 import os
-import threading
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from kvproxy.sessions.identity import Session, short_hash, text_of
@@ -39,9 +36,6 @@ CHARS_PER_TOKEN = 4
 # it, although the client rewrote something near the end of an early message.
 MOST = 0.9
 MAX_BLOCKS = 8192          # trails end there (2 MiB of text)
-MAX_RECORDS = 1024         # the newest sidecars a request is compared with
-MAX_NOTES = 256            # trails of requests whose sidecar is not written yet
-NOTE_TTL_S = 3600.0        # a note whose sidecar never came (the request failed) is dropped
 SIDECAR_FIELD = "trail"
 
 CONTINUE, FORK = "continue", "fork"
@@ -172,94 +166,6 @@ def trail_record(sidecar: Any) -> dict | None:
     """The trail a sidecar's content records, if it records one."""
     record = sidecar.get(SIDECAR_FIELD) if isinstance(sidecar, dict) else None
     return record if isinstance(record, dict) else None
-
-
-class TrailIndex:
-    """The trails recorded in a slot folder's sidecars, re-read only when a file changed
-    (its modification time and size), the newest ``MAX_RECORDS`` of them, and the trails of
-    requests this process matched whose sidecar does not show them yet.
-
-    Those notes matter because a sidecar is written once the reply has been sent: a client
-    that sends its next request at once (a second chat behind the same opening) must find
-    the first one, or it would be merged into it."""
-
-    def __init__(self, root: Path | str):
-        self.root = Path(root)
-        self._cache: dict[str, tuple[tuple[int, int], dict | None]] = {}
-        self._notes: dict[str, tuple[float, dict]] = {}  # session id: (monotonic, record)
-        self._lock = threading.Lock()
-
-    def note(self, record: dict | None) -> None:
-        """Remember the trail a request was matched to until its sidecar shows it."""
-        if not record or not record.get("id"):
-            return
-        with self._lock:
-            self._notes.pop(record["id"], None)
-            self._notes[record["id"]] = (time.monotonic(), record)
-            while len(self._notes) > MAX_NOTES:
-                del self._notes[next(iter(self._notes))]
-
-    def learn(self, name: str, written: tuple[int, int], sidecar: dict) -> None:
-        """A sidecar this process has just written (``SessionStore.tell_sidecar_writes``):
-        cached as the folder's listing will show it, so the next request does not read it
-        back. A file another process writes later differs in time or size and is read."""
-        record = trail_record(sidecar)
-        with self._lock:
-            self._cache[name] = (written, dict(record) if record is not None else None)
-
-    def records(self, scope: str) -> list[dict]:
-        """This scope's records: the sidecars', each replaced by a newer note of its session."""
-        on_disk = self._on_disk(scope)
-        with self._lock:
-            now = time.monotonic()
-            ids = {record.get("id"): record for record in on_disk}
-            for session_id, (noted_at, record) in list(self._notes.items()):
-                saved = ids.get(session_id)
-                if now - noted_at > NOTE_TTL_S or \
-                        (saved is not None and saved.get("whole") == record.get("whole")):
-                    del self._notes[session_id]  # the sidecar caught up (or it never will)
-                elif record.get("scope") == scope:
-                    ids[session_id] = record
-        return list(ids.values())
-
-    def _on_disk(self, scope: str) -> list[dict]:
-        try:
-            entries = [e for e in os.scandir(self.root)
-                       if e.name.endswith(".json") and not e.name.startswith(".")
-                       and not e.name.startswith("base.")]
-        except OSError:
-            return []
-        stats = []
-        for entry in entries:
-            try:
-                st = entry.stat()
-            except OSError:
-                continue
-            stats.append((st.st_mtime_ns, entry.name, st.st_size))
-        stats.sort(reverse=True)
-        found = []
-        with self._lock:
-            seen = set()
-            for mtime, name, size in stats[:MAX_RECORDS]:
-                seen.add(name)
-                cached = self._cache.get(name)
-                if cached is None or cached[0] != (mtime, size):
-                    cached = ((mtime, size), self._read(name))
-                    self._cache[name] = cached
-                record = cached[1]
-                if record and record.get("scope") == scope:
-                    found.append(record)
-            for name in [n for n in self._cache if n not in seen]:
-                del self._cache[name]
-        return found
-
-    def _read(self, name: str) -> dict | None:
-        try:
-            with open(self.root / name, encoding="utf-8") as handle:
-                data = json.load(handle)
-        except (OSError, ValueError):
-            return None
-        return trail_record(data)
 
 
 def follow(session: Session, trail: Trail, records: list[dict], scope: str, min_chars: int,

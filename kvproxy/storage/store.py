@@ -398,6 +398,24 @@ class SessionStore:
                 found.append(sidecar)
         return found
 
+    def sidecar_files(self) -> list[tuple[str, int, int]]:
+        """Every sidecar's (file name, modification time in ns, size), unread: an index of the
+        folder rereads (``read_sidecar``) only those that changed. Hidden files (the state
+        file, temporary ones) are not sidecars."""
+        try:
+            entries = [e for e in os.scandir(self.root)
+                       if e.name.endswith(".json") and not e.name.startswith(".")]
+        except OSError:
+            return []
+        found = []
+        for entry in entries:
+            try:
+                st = entry.stat()
+            except OSError:
+                continue
+            found.append((entry.name, st.st_mtime_ns, st.st_size))
+        return found
+
     def delete(self, stem: str) -> bool:
         """Remove a slot file, its companions and its sidecar (in that order: a crash leaves
         what the start-up sweep deletes); False when none existed."""

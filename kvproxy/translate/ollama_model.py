@@ -1,7 +1,7 @@
 """The served model in Ollama's terms: name, size, family, context length, capabilities.
 
 Built from llama-server's ``/props`` and ``/v1/models`` plus the GGUF header
-when the model file is readable from here.
+when the model file is readable from here; both are handed in (``describe_facts``).
 """
 from __future__ import annotations
 
@@ -10,11 +10,7 @@ import re
 from datetime import datetime, timezone
 from typing import Any
 
-from flask import current_app
-
-from kvproxy.upstream import gguf
 from kvproxy.translate import ollama as tr
-from kvproxy.web.common import relay
 
 # Used only when the GGUF header cannot be read (llama-server on another host).
 KNOWN_ARCHITECTURES = ("qwen3moe", "qwen3", "qwen2", "gemma3", "gemma2", "gemma", "llama",
@@ -71,21 +67,14 @@ def context_length(props: dict, meta: dict) -> int:
     return min(values) if values else 0
 
 
-def describe(requested: object = None) -> dict:
-    """The served model (behind a router: the one ``requested`` names) in the terms every
-    Ollama model route uses."""
-    return describe_facts(relay().model_facts(requested))
-
-
-def describe_all() -> list[dict]:
-    """Every model llama-server serves, described."""
-    return [describe_facts(facts) for facts in relay().all_model_facts()]
-
-
-def describe_facts(facts: dict) -> dict:
+def describe_facts(facts: dict, tag: str,
+                   model_file: tuple[dict, int | None, float | None]) -> dict:
+    """One model in Ollama's terms, from its ``facts`` (``relay.model_facts``), the tag it
+    is served under and its ``model_file``: the GGUF header, size and modification time
+    (``({}, None, None)`` when the file is out of reach)."""
     props, meta = facts["props"], facts["model"].get("meta") or {}
     path = props.get("model_path") or ""
-    header, file_size, mtime = gguf.file_facts(path)
+    header, file_size, mtime = model_file
     arch = header.get("general.architecture") or guess_architecture(facts["name"] + " " + path)
     ctx = context_length(props, meta)
     size = file_size or int(meta.get("size") or 0)
@@ -100,7 +89,6 @@ def describe_facts(facts: dict) -> dict:
         info["general.parameter_count"] = meta["n_params"]
     info.setdefault(f"{arch}.embedding_length", meta.get("n_embd"))
     info.setdefault(f"{arch}.vocab_size", meta.get("n_vocab"))
-    tag = current_app.config["KVPROXY"].model_tag
     # Not the file's sha256 (that means reading gigabytes): a stable id of what is served.
     digest = hashlib.sha256(f"{path}|{size}|{meta.get('n_params')}|{mtime}".encode()).hexdigest()
     return {"name": f"{facts['name']}:{tag}", "base": facts["name"], "size": size,

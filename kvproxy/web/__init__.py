@@ -1,1 +1,1 @@
-"""Flask only: the API blueprints, the relay that streams answers, error rendering."""
+"""Flask only: the API blueprints, the request guards and body limit, error rendering."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from flask import Blueprint, Response, jsonify, request
 
-from kvproxy.web.relay import ChatCall
+from kvproxy.relay.context import ChatCall
 from kvproxy.translate import anthropic as translate
 from kvproxy import routes
 from kvproxy.web.common import json_body, relay, serve_chat

@@ -1,4 +1,5 @@
-"""What every dialect does the same way: read the body, run the call, hold the slot."""
+"""What every dialect does the same way: read the body, name the caller, run the call, hold
+the slot until the reply is sent."""
 from __future__ import annotations
 
 import logging
@@ -11,15 +12,27 @@ from typing import Any, Callable, Iterable, Iterator
 from flask import Response, current_app, request
 
 from kvproxy.errors import ClientError, InternalError, KvproxyError
-from kvproxy.web.relay import ChatCall, Relay
+from kvproxy.relay.context import Caller, ChatCall
+from kvproxy.relay.relay import Relay
 from kvproxy.translate import strict_json
 from kvproxy.upstream.llama import ends_the_answer
+from kvproxy.web import users
 
 log = logging.getLogger("kvproxy.dialects")
 
 
 def relay() -> Relay:
     return current_app.extensions["kvproxy.relay"]
+
+
+def caller() -> Caller:
+    """Who sends this request: the user its API key names (the gate put it on the request),
+    the client's address (behind a trusted proxy, the forwarded one) and its User-Agent.
+    The relay scopes sessions by it."""
+    return Caller(user=users.request_user(),
+                  address=users.client_address(
+                      request.environ, current_app.config["KVPROXY"].forwarded_allow_ips),
+                  agent=request.headers.get("User-Agent", ""))
 
 
 def json_body() -> dict:
@@ -278,6 +291,8 @@ def serve_chat(call: ChatCall, *, stream: bool,
     """
     if call.still_wanted is None:
         call.still_wanted = client_still_there()
+    if call.caller is None:
+        call.caller = caller()
     if not stream:
         answer = relay().complete(call)
         hold_slot_until_closed(answer.close)

@@ -12,21 +12,12 @@ from __future__ import annotations
 
 from flask import Blueprint, Response, request
 
-from kvproxy.sessions import route_identity
-from kvproxy.web.relay import ChatCall
+from kvproxy.relay.context import INFILL, RESPONSES, ChatCall
 from kvproxy import routes
-from kvproxy.web.common import json_body, relay, serve_chat
+from kvproxy.web.common import json_body, serve_chat
 from kvproxy.web.openai import relay_stream, render_stream_error
 
 blueprint = Blueprint("llamacpp", __name__)
-
-
-class ResponsesCall(ChatCall):
-    """A Responses API request: its conversation is ``instructions`` plus ``input``."""
-
-    @property
-    def messages(self) -> list[dict]:
-        return route_identity.responses_messages(self.body)
 
 
 def _serve(call: ChatCall) -> Response:
@@ -39,18 +30,14 @@ def responses() -> Response:
     """OpenAI Responses API, streamed or whole; session from prompt_cache_key, conversation,
     the session headers, or instructions plus the first user input."""
     body = json_body()
-    call = ResponsesCall(body=body, headers=request.headers,
-                         raw=route_identity.responses_identity_body(body), path="/v1/responses")
-    return _serve(call)
+    return _serve(ChatCall(body=body, headers=request.headers, raw=body, path="/v1/responses",
+                          kind=RESPONSES))
 
 
 def infill() -> Response:
     """Fill-in-the-middle; one session per editor (and file, when named)."""
     body = json_body()
-    session = route_identity.infill_session(request.headers, body,
-                                            relay().settings.session_headers)
-    return _serve(ChatCall(body=body, headers=request.headers, raw=body, path="/infill",
-                           session=session))
+    return _serve(ChatCall(body=body, headers=request.headers, raw=body, path="/infill", kind=INFILL))
 
 
 def completion() -> Response:

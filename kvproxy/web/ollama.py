@@ -15,11 +15,12 @@ from flask import Blueprint, Response, current_app, jsonify, request
 
 from kvproxy.upstream.llama import UpstreamError
 from kvproxy.errors import ClientError, KvproxyError
-from kvproxy.web.relay import ChatCall
+from kvproxy.relay.context import ChatCall
 from kvproxy.translate import ollama as tr
 from kvproxy import routes
 from kvproxy.web.common import json_body, relay, serve_chat
-from kvproxy.translate.ollama_model import describe, describe_all
+from kvproxy.relay.model_facts import model_file
+from kvproxy.translate.ollama_model import describe_facts
 
 blueprint = Blueprint("ollama", __name__)
 
@@ -70,6 +71,21 @@ def _stream_flag(body: dict) -> bool:
 
 
 # -- model routes -----------------------------------------------------------
+def describe(requested: object = None) -> dict:
+    """The served model (behind a router: the one ``requested`` names) in the terms every
+    Ollama model route uses."""
+    return _described(relay().model_facts(requested))
+
+
+def describe_all() -> list[dict]:
+    """Every model llama-server serves, described."""
+    return [_described(facts) for facts in relay().all_model_facts()]
+
+
+def _described(facts: dict) -> dict:
+    return describe_facts(facts, current_app.config["KVPROXY"].model_tag, model_file(facts))
+
+
 def root() -> Response:
     return Response("Ollama is running", mimetype="text/plain")
 

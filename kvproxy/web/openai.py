@@ -12,7 +12,7 @@ from typing import Iterable, Iterator
 from flask import Blueprint, Response, jsonify, request
 
 from kvproxy.errors import ClientError
-from kvproxy.web.relay import ChatCall
+from kvproxy.relay.context import ChatCall
 from kvproxy import routes
 from kvproxy.web.common import json_body, relay, serve_chat
 

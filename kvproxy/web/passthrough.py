@@ -6,7 +6,7 @@ slot, and llama-server's answer comes back unchanged, its errors included.
 ``side`` routes run a task on the slot (embeddings, rerank): they wait for the
 slot like a side request, which saves the conversation it held first and is
 never saved itself. llama-server ignores ``id_slot`` for all of them, so with
-several slots they run while kvproxy holds every slot (``kvproxy.slots.unpinned``).
+several slots they run while kvproxy holds every slot (``kvproxy.relay.side``).
 Only kvproxy's own failures (llama-server unreachable, slot busy) answer in
 OpenAI's error shape. Methods that change llama-server for
 everyone (``POST /props``, ``POST /lora-adapters``) need the admin token when
@@ -22,9 +22,8 @@ from flask import Blueprint, Response, request
 
 from kvproxy import routes
 from kvproxy.errors import ClientError, UpstreamUnavailable
+from kvproxy.relay.context import RawCall
 from kvproxy.upstream.llama import LlamaClient
-from kvproxy.web.relay import pinned
-from kvproxy.slots.unpinned import side_task
 from kvproxy.web.common import relay
 
 blueprint = Blueprint("passthrough", __name__)
@@ -37,12 +36,8 @@ KEPT_HEADERS = ("Content-Type", "Cache-Control")
 
 def plain() -> Response:
     """Relayed as it is, without waiting for the slot; llama-server's answer as it comes."""
-    client = relay().client
-    upstream = _send(None)
-    if request.method == "POST" and request.path == "/lora-adapters":
-        for switch in relay().models.switches():  # the adapters applied are in the fingerprint
-            switch.fingerprints.forget()
-    response = Response(_chunks(client, upstream), status=upstream.status_code,
+    upstream = relay().forward(_raw_call(), PLAIN_READ_TIMEOUT)
+    response = Response(_chunks(relay().client, upstream), status=upstream.status_code,
                         headers=_kept_headers(upstream), direct_passthrough=True)
     response.call_on_close(upstream.close)
     return response
@@ -52,13 +47,19 @@ def side() -> Response:
     """A side task, for the model the request names (behind a router): the slot is freed
     before the answer goes out (it holds nothing after it). llama-server ignores
     ``id_slot`` for every side route, so the task runs while every slot is held
-    (``unpinned``)."""
-    switch, _ = relay().models.route(_model_named())
-    with side_task(switch) as lease:
-        upstream = _send(lease)
-        content = relay().client.content(upstream)  # llama-server may go away mid-answer
-    return Response(content, status=upstream.status_code,
-                    headers={**_kept_headers(upstream), **lease.headers()})
+    (``kvproxy.relay.side``)."""
+    reply = relay().side_relayed(_raw_call(model=_model_named()))
+    return Response(reply.content, status=reply.upstream.status_code,
+                    headers={**_kept_headers(reply.upstream), **reply.headers})
+
+
+def _raw_call(model: object = None) -> RawCall:
+    """The request as llama-server gets it: method, path, query and body unchanged."""
+    route = routes.of_request(request)
+    return RawCall(request.method, request.path, query=request.query_string,
+                   data=request.get_data(), content_type=request.headers.get("Content-Type"),
+                   model=model,
+                   changes_fingerprint=bool(route) and request.method in route.changes_fingerprint)
 
 
 def _model_named() -> object:
@@ -80,30 +81,8 @@ def refused(**_path_args: str) -> Response:
     raise ClientError(f"{request.method} {request.path}: {why}", 403)
 
 
-def _send(lease) -> requests.Response:
-    """The request as sent, to llama-server (a side task's JSON body pinned to ``lease``)."""
-    side = lease is not None
-    return relay().client.forward(request.method, request.path, query=request.query_string,
-                                  data=pinned_data(request.get_data(), lease),
-                                  content_type=request.headers.get("Content-Type"),
-                                  read_timeout=None if side else PLAIN_READ_TIMEOUT,
-                                  slot_call=side)
-
-
 def _kept_headers(upstream: requests.Response) -> dict:
     return {name: upstream.headers[name] for name in KEPT_HEADERS if name in upstream.headers}
-
-
-def pinned_data(data: bytes, lease) -> bytes:
-    """A side request's JSON object body pinned to its leased slot (``id_slot``), so
-    llama-server does not pick an idle slot that holds a conversation; else as sent."""
-    if lease is None or not data:
-        return data
-    try:
-        body = json.loads(data)
-    except ValueError:
-        return data
-    return json.dumps(pinned(body, lease.slot)).encode() if isinstance(body, dict) else data
 
 
 def _chunks(client: LlamaClient, upstream: requests.Response) -> Iterator[bytes]:

@@ -18,13 +18,11 @@ import hmac
 import ipaddress
 from typing import Mapping
 
-from flask import current_app, request
+from flask import request
 
-from kvproxy.errors import ClientError
+from kvproxy.errors import MISSING_KEY  # noqa: F401 - the gate's refusal, named here too
 
 USER = "kvproxy.user"  # the request's user, in the WSGI environ
-MISSING_KEY = ("missing or wrong API key: send 'Authorization: Bearer <key>' or "
-               "'x-api-key: <key>'")
 
 
 def _digest(key: str) -> bytes:
@@ -96,18 +94,3 @@ def client_address(environ: Mapping[str, str], forwarded_allow_ips: str) -> str:
         if not _trusted(hop, proxies):
             return hop
     return hops[0] if hops else peer
-
-
-def request_scope() -> tuple[str | None, str | None]:
-    """``(user, client)`` of the current request for ``identity.scoped``: the key's user
-    when keys are set, else what identifies the client (address and user agent)."""
-    if not request:
-        return None, None
-    settings = current_app.config["KVPROXY"]
-    if settings.api_keys:
-        user = request.environ.get(USER)
-        if not user:  # never unscoped while keys are set
-            raise ClientError(MISSING_KEY, 401)
-        return user, None
-    agent = request.headers.get("User-Agent", "")
-    return None, f"{client_address(request.environ, settings.forwarded_allow_ips)}\x00{agent}"
