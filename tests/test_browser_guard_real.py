@@ -13,7 +13,7 @@ import requests
 from kvproxy.launch.processes import free_port
 from kvproxy.slots.restore_check import CHECK_FILE
 from tests.conftest import Stack
-from tests.test_status_real import ask, browser, slot_shows, wait_until  # noqa: F401 - fixture
+from tests.status_page import ask, browser, slot_shows, wait_until  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.real
 

@@ -6,30 +6,17 @@ import os
 from pathlib import Path
 
 import pytest
-import responses
 
 from kvproxy import create_app
 from kvproxy.storage import budget, checked_save, quarantine, sweep, store as store_module
 from kvproxy.storage.budget import Entry, plan_eviction
 from kvproxy.sessions.identity import Session, base_stem
-from kvproxy.upstream.llama import LlamaClient
 from kvproxy.storage.store import SIDECAR_FORMAT, SessionStore, StorageError
-from kvproxy.slots.switch import BASE, HIT, MISS, RESTORED, SlotSwitch
-from tests.fake_llama import UPSTREAM, FakeLlama, FakePrompt, make_switch, MODEL
-from tests.test_switch_records import metric
+from kvproxy.slots.switch import BASE, HIT, MISS, RESTORED
+from tests.fake_llama import UPSTREAM, FakePrompt, make_switch, MODEL
+from tests.support import metric, turn, A, B
 
-A = Session("A", "test", system_hash="aaaa", model=MODEL)
-B = Session("B", "test", system_hash="bbbb", model=MODEL)
 OPENAI_BODY = {"messages": [{"role": "user", "content": "hi"}]}
-
-
-
-def turn(switch, session, fake, tokens=12, prompt=None):
-    lease = switch.acquire(session, prompt=prompt)
-    fake.tokens = tokens
-    switch.release(lease, {"cache_n": lease.restored_tokens, "prompt_n": tokens - lease.restored_tokens,
-                           "predicted_n": 0})
-    return lease
 
 
 def shutil_usage(total, free):
@@ -211,7 +198,6 @@ def test_the_state_never_names_a_session_the_slot_does_not_hold(tmp_path, fake, 
     lease = switch.acquire(A)
     assert lease.cache == RESTORED, "an unknown slot is restored, never trusted"
     switch.release(lease)
-
 
 
 def test_a_swap_that_fails_before_the_slot_changes_keeps_it_trusted(tmp_path, fake,

@@ -9,7 +9,7 @@ from kvproxy.slots.plan import Claim, Erase, MakeBase, Record, Restore, Save
 from kvproxy.slots.state import Phase, SlotState
 from kvproxy.slots.switch import MISS, RESTORED
 from tests.fake_llama import make_switch
-from tests.test_save_behind import A, B, turn
+from tests.support import A, B, turn
 
 
 def settled_turn(switch, session, fake, tokens):

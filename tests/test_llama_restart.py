@@ -9,7 +9,7 @@ from kvproxy.slots.instance import Listing, driven_slots, of_listing, restarted
 from kvproxy.slots.state import Phase
 from kvproxy.slots.switch import MISS, RESTORED
 from tests.fake_llama import FakeLlama
-from tests.test_multislot import A, B, C, switch_over
+from tests.support import PLAIN_A as A, PLAIN_B as B, PLAIN_C as C, switch_over
 
 Q8 = "k=q8_0 v=q8_0 v_trans=0 layers=30 rot=0,0"
 F16 = "k=f16 v=f16 v_trans=0 layers=30 rot=0,0"

@@ -6,12 +6,12 @@ import logging
 import re
 
 import pytest
-import requests
 import responses
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvproxy import create_app
 from kvproxy.ops import metrics
+from tests.support import sample
 
 UPSTREAM = "http://llama.test"
 PROPS = {"model_path": "/models/tiny.gguf", "build_info": "b1-test", "total_slots": 1,
@@ -30,11 +30,6 @@ def scrape(client) -> dict[str, dict]:
         samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in family.samples}
         families[family.name] = {"type": family.type, "samples": samples}
     return families
-
-
-def sample(families: dict, family: str, name: str | None = None, **labels: str) -> float:
-    key = (name or family, tuple(sorted(labels.items())))
-    return families.get(family, {}).get("samples", {}).get(key, 0.0)
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import long_text
-from tests.test_metrics import sample
+from tests.support import sample
 
 pytestmark = pytest.mark.real
 

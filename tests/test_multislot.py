@@ -11,19 +11,15 @@ import responses
 
 from kvproxy import create_app
 from kvproxy.sessions.identity import Session
-from kvproxy.upstream.llama import LlamaClient
 from kvproxy.slots.state import SlotState
 from kvproxy.storage.store import (STATE_FILE, STATE_FORMAT, SessionStore, StateFormatError,
                                     now_iso)
 from kvproxy.slots.placement import FREE
 from kvproxy.slots.pool import Taken
-from kvproxy.slots.switch import HIT, MISS, RESTORED, ClientGone, SlotBusy, SlotSwitch
+from kvproxy.slots.switch import HIT, MISS, RESTORED, ClientGone, SlotBusy
 from tests.fake_llama import UPSTREAM, FakeLlama, MODEL
-from tests.test_switch_records import metric
+from tests.support import metric, switch_over, PLAIN_A as A, PLAIN_B as B, PLAIN_C as C
 
-A = Session("A", "test", model=MODEL)
-B = Session("B", "test", model=MODEL)
-C = Session("C", "test", model=MODEL)
 SIDE = Session("side", "side-request", persistent=False, model=MODEL)
 
 
@@ -35,15 +31,6 @@ def mock():
 
 def fake_with(mock, tmp_path, n_slots):
     return FakeLlama(mock, tmp_path, n_slots=n_slots)
-
-
-def switch_over(tmp_path, slots=0, **kwargs):
-    """A switch as the app builds it: slot count 0 means 'ask llama-server'."""
-    kwargs.setdefault("base_snapshots", False)
-    # Not the shipped default: these tests count the stub's slot actions one by one, and a
-    # background save would add its own when its delay runs out (test_save_behind.py tests it).
-    kwargs.setdefault("save_behind", False)
-    return SlotSwitch(LlamaClient(UPSTREAM), SessionStore(tmp_path), slots=slots, **kwargs)
 
 
 def answer(switch, session, fake, tokens=20):

@@ -12,27 +12,19 @@ import responses
 
 from kvproxy import create_app
 from kvproxy.sessions.identity import Session
-from kvproxy.upstream.llama import LlamaClient
 from kvproxy.slots.restore_check import judge, slot_file_tokens
 from kvproxy.slots.state import SlotTable
 from kvproxy.storage.store import SessionStore
 from kvproxy.slots.plan import (EMPTY, FOREIGN, OURS, UNKNOWN, judge_slot,
                           too_big)
-from kvproxy.slots.switch import HIT, RESTORED, ClientGone, SlotBusy, SlotSwitch, fingerprint_key
-from tests.fake_llama import UPSTREAM, FakeLlama, make_switch, MODEL
-from tests.test_switch import FakePrompt, turn
-from tests.test_switch_records import metric
+from kvproxy.slots.switch import HIT, RESTORED, ClientGone, SlotBusy, fingerprint_key
+from tests.fake_llama import UPSTREAM, make_switch, MODEL
+from tests.fake_llama import FakePrompt
+from tests.support import timed_turn as turn, metric, wait_until
 
 A = Session("A", "test", model=MODEL)
 B = Session("B", "test", model=MODEL)
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
-
-
-def wait_until(condition, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 # -- waiting is bounded in count --------------------------------------------------

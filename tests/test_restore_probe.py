@@ -8,7 +8,7 @@ from kvproxy.slots.restore_probe import PROBE_TEXT, probe, prove_restores
 from kvproxy.slots.state import Phase, SlotState
 from kvproxy.upstream.llama import UpstreamError
 from tests.fake_llama import make_switch
-from tests.test_slot_file import slot_file
+from tests.support import slot_file
 
 
 class ProbeClient:

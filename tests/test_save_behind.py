@@ -2,25 +2,13 @@
 import threading
 import time
 
-from kvproxy.sessions.identity import Session
 from kvproxy.slots import plan
 from kvproxy.slots.plan import Save, SwapFacts
 from kvproxy.slots.save_behind import SaveBehind
 from kvproxy.slots.state import Phase, SlotState
 from kvproxy.slots.switch import RESTORED
 from tests.fake_llama import MODEL, make_switch
-from tests.test_switch_records import metric
-
-A = Session("A", "test", system_hash="aaaa", model=MODEL)
-B = Session("B", "test", system_hash="bbbb", model=MODEL)
-
-
-def turn(switch, session, fake, tokens):
-    lease = switch.acquire(session)
-    fake.tokens = tokens
-    switch.release(lease, {"cache_n": lease.restored_tokens,
-                           "prompt_n": tokens - lease.restored_tokens, "predicted_n": 0})
-    return lease
+from tests.support import metric, turn, A, B
 
 
 def saves_of(fake, session):
@@ -58,7 +46,6 @@ def test_a_settled_slot_is_saved_and_the_swap_then_only_restores(tmp_path, fake)
     fake.actions.clear()
     assert turn(switch, A, fake, 50).cache == RESTORED
     assert saves_of(fake, B) == [("save", f"{B.stem}.saving.bin")], "B had not settled"
-
 
 
 def upstream_calls(fake, since=0):

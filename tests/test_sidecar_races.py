@@ -177,7 +177,7 @@ def test_a_restore_carries_the_save_it_restored_to_the_notes_after_the_answer(tm
     """The restore's notes (counters, time, restore check) go on the save that was restored:
     the lease knows its ``saved_at``, and a sidecar of a newer save does not take them."""
     from tests.fake_llama import make_switch
-    from tests.test_disk import A, B, turn
+    from tests.support import A, B, turn
     switch = make_switch(tmp_path)
     turn(switch, A, fake)
     turn(switch, B, fake)

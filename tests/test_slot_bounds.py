@@ -14,7 +14,7 @@ from kvproxy import create_app
 from kvproxy.errors import ClientGone
 from kvproxy.upstream.llama import LlamaClient
 from tests.fake_llama import UPSTREAM
-from tests.test_slot_freed import error_shaped
+from tests.support import error_shaped
 
 CHAT = f"{UPSTREAM}/v1/chat/completions"
 

@@ -4,29 +4,7 @@ import struct
 import pytest
 
 from kvproxy.upstream.slot_file import SLOT_FILE_MAGIC, kv_format, tokens
-
-
-def slot_file(path, *, cells=3, k_type=1, v_type=1, v_trans=0, layers=2, ext=0, rot=(0, 0),
-              n_stream=1, empty_streams_first=0):
-    """A file laid out as ``state_seq_save_file`` writes one sequence: header, tokens, then
-    per stream the cells' metadata and each layer's K rows and V rows."""
-    out = struct.pack("<III", SLOT_FILE_MAGIC, 1, cells) + struct.pack(f"<{cells}i", *range(cells))
-    out += struct.pack("<I", n_stream + empty_streams_first)
-    out += struct.pack("<I", 0) * empty_streams_first
-    out += struct.pack("<I", cells)
-    for pos in range(cells):
-        out += struct.pack("<iI", pos, 1) + b"\0" * ext + struct.pack("<i", 0)
-    out += struct.pack("<IIII", v_trans, layers, *rot)
-    row = 16
-    for _ in range(layers):
-        out += struct.pack("<iQ", k_type, row) + b"k" * row * cells
-    for _ in range(layers):
-        if v_trans:
-            out += struct.pack("<iII", v_type, 2, 8) + b"v" * 16 * cells
-        else:
-            out += struct.pack("<iQ", v_type, row) + b"v" * row * cells
-    path.write_bytes(out)
-    return path
+from tests.support import slot_file
 
 
 def test_the_kv_format_names_cache_types_and_layout(tmp_path):

@@ -13,6 +13,7 @@ from kvproxy.web import common, openai
 from kvproxy.upstream.llama import LlamaClient
 from kvproxy.slots.lease import Lease
 from tests.fake_llama import UPSTREAM
+from tests.support import error_shaped
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -25,14 +26,6 @@ def request_for(api: str, stream: bool, session: str) -> tuple[str, dict, dict]:
         return "/v1/messages", {"model": "m", "max_tokens": 5, "messages": MESSAGES,
                                 "stream": stream}, headers
     return "/api/chat", {"model": "tiny", "messages": MESSAGES, "stream": stream}, headers
-
-
-def error_shaped(api: str, body: dict) -> bool:
-    if api == "openai":
-        return isinstance(body.get("error"), dict) and "message" in body["error"]
-    if api == "anthropic":
-        return body.get("type") == "error" and "message" in body.get("error", {})
-    return isinstance(body.get("error"), str)
 
 
 def raiser(exc: BaseException):

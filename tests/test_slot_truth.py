@@ -5,8 +5,7 @@ saves never share a temporary file, and eviction never deletes what is about to 
 from kvproxy.sessions.identity import Session
 from kvproxy.slots.state import Phase
 from tests.fake_llama import MODEL, make_switch
-from tests.test_save_behind import turn
-from tests.test_switch_records import metric
+from tests.support import turn, metric
 
 A = Session("A", "test", system_hash="aaaa", model=MODEL)
 B = Session("B", "test", system_hash="bbbb", model=MODEL)

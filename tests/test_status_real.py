@@ -4,27 +4,22 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import openai
 import pytest
 import requests
 
 from kvproxy.slots.restore_check import CHECK_FILE
 from tests.conftest import Stack
+from tests.status_page import ask, browser, open_page, slot_shows, wait_until  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.real
 
 TOKEN = "op-t0ken-5e1f"
 REPO = Path(__file__).resolve().parent.parent
 ARTIFACTS = REPO / "var" / "test-artifacts"
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update",
-                  "--disable-sync"]
 
 
 @pytest.fixture(scope="module")
@@ -35,55 +30,8 @@ def guarded(tmp_path_factory):
     s.stop()
 
 
-def ask(stack: Stack, session_id: str, text: str = "Say hello.") -> None:
-    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", timeout=120,
-                           default_headers={"X-Session-Id": session_id})
-    reply = client.chat.completions.with_raw_response.create(
-        model="m", max_tokens=8, messages=[{"role": "user", "content": text}])
-    assert reply.headers["X-KVProxy-Session"] == session_id
-
-
 def admin(stack: Stack, path: str) -> requests.Response:
     return requests.get(stack.url + path, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
-
-
-@pytest.fixture(scope="module")
-def browser():
-    chromium = shutil.which("chromium")
-    if chromium is None:
-        pytest.fail("chromium is not installed: 'make test' installs it (apt-get install chromium)")
-    from playwright.sync_api import sync_playwright
-    with sync_playwright() as p:
-        # Playwright gives every launch a fresh temporary profile (--user-data-dir).
-        launched = p.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS, timeout=60000)
-        yield launched
-        launched.close()
-
-
-def open_page(browser, stack: Stack, **options):
-    page = browser.new_page(**options)
-    page.set_default_timeout(30000)
-    problems, urls = [], []
-    page.on("console", lambda m: m.type == "error" and problems.append(m.text))
-    page.on("pageerror", lambda exc: problems.append(str(exc)))
-    page.on("request", lambda r: urls.append(r.url))
-    page.goto(stack.url + "/status")
-    return page, problems, urls
-
-
-def wait_until(page, expression: str, arg=None, timeout: float = 30) -> None:
-    """Poll a JS expression until it is true. (Playwright's wait_for_function evaluates
-    strings with eval, which the page's Content-Security-Policy rightly forbids.)"""
-    deadline = time.monotonic() + timeout
-    while not page.evaluate(expression, arg):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"still false after {timeout} s: {expression}")
-        time.sleep(0.1)
-
-
-def slot_shows(page, session_id: str) -> None:
-    wait_until(page, "id => (document.querySelector('#slots td.session') || {}).textContent === id",
-               session_id)
 
 
 def test_page_in_a_browser(guarded, browser, tmp_path):

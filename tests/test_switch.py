@@ -4,12 +4,12 @@ import threading
 import pytest
 
 from kvproxy import create_app
-from kvproxy.sessions.identity import Session, base_stem, client_key, file_stem
+from kvproxy.sessions.identity import Session, base_stem, client_key
 from kvproxy.upstream.llama import LlamaClient
 from kvproxy.storage.store import SessionStore
 from kvproxy.slots.switch import BASE, HIT, MISS, RESTORED, SlotBusy, SlotSwitch, fingerprint_key
 from tests.fake_llama import UPSTREAM, FakePrompt, MODEL, stem_of
-
+from tests.support import timed_turn as turn, A, B
 
 
 def make_switch(tmp_path, **kwargs):
@@ -19,17 +19,6 @@ def make_switch(tmp_path, **kwargs):
     return SlotSwitch(LlamaClient(UPSTREAM), SessionStore(tmp_path), **kwargs)
 
 
-def turn(switch, session, fake, timings=None):
-    """One request: take the slot, 'generate', release with timings."""
-    lease = switch.acquire(session)
-    fake.tokens = (timings or fake.chat_timings)["cache_n"] + 12
-    switch.release(lease, timings or {"cache_n": lease.restored_tokens, "prompt_n": 10,
-                                      "predicted_n": 2})
-    return lease
-
-
-A = Session("A", "test", system_hash="aaaa", model=MODEL)
-B = Session("B", "test", system_hash="bbbb", model=MODEL)
 DEFAULT = Session("default", "default", persistent=False, model=MODEL)
 
 
@@ -88,7 +77,6 @@ def test_failed_restore_leaves_a_clean_slot(tmp_path, fake):
     fake.fail_restore = True
     assert turn(switch, A, fake).cache == MISS
     assert fake.actions[-2:] == [("restore", f"{A.stem}.bin"), ("erase", None)]
-
 
 
 def test_base_snapshot_holds_only_the_system_prompt_and_serves_new_sessions(tmp_path, fake):

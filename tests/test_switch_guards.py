@@ -5,16 +5,14 @@ and eviction as /metrics counts it."""
 import logging
 
 import pytest
-import responses
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvproxy import create_app
 from kvproxy.sessions.identity import Session
-from kvproxy.upstream.llama import LlamaClient
 from kvproxy.storage.store import SessionStore
-from kvproxy.slots.switch import HIT, MISS, RESTORED, SlotBusy, SlotSwitch
-from tests.fake_llama import UPSTREAM, FakeLlama, FakePrompt, make_switch, MODEL
-from tests.test_switch_records import metric
+from kvproxy.slots.switch import HIT, MISS, RESTORED, SlotBusy
+from tests.fake_llama import UPSTREAM, FakePrompt, make_switch, MODEL
+from tests.support import metric
 
 A = Session("A", "test", system_hash="aaaa", model=MODEL)
 B = Session("B", "test", system_hash="bbbb", model=MODEL)

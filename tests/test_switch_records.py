@@ -7,13 +7,13 @@ import time
 import pytest
 import responses
 
-from kvproxy.telemetry import metrics
 from kvproxy.sessions.identity import Session, base_stem
 from kvproxy.slots.restore_check import UNKNOWN_CAUSE
-from kvproxy.upstream.llama import LlamaClient, UpstreamError
+from kvproxy.upstream.llama import UpstreamError
 from kvproxy.storage.store import SessionStore
-from kvproxy.slots.switch import MISS, RESTORED, SlotBusy, SlotSwitch
-from tests.fake_llama import UPSTREAM, FakeLlama, FakePrompt, make_switch, MODEL
+from kvproxy.slots.switch import MISS, RESTORED, SlotBusy
+from tests.fake_llama import UPSTREAM, FakePrompt, make_switch, MODEL
+from tests.support import metric
 
 A = Session("A", "test", system_hash="aaaa", key="A#aaaa", model=MODEL)
 B = Session("B", "test", system_hash="bbbb", model=MODEL)
@@ -31,10 +31,6 @@ def answer(switch, session, fake, slot_tokens=100, cache_n=0, prompt=None):
 
 def messages(caplog) -> list[str]:
     return [record.getMessage() for record in caplog.records]
-
-
-def metric(name: str, **labels: str) -> float:
-    return metrics.REGISTRY.get_sample_value(name, labels) or 0.0
 
 
 # -- save and restore ------------------------------------------------------------

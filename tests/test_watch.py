@@ -4,7 +4,7 @@ from __future__ import annotations
 import threading
 
 from kvproxy.upstream import watch
-from tests.test_reliability import wait_until
+from tests.support import wait_until
 
 
 def test_calls_are_watched_without_waking_the_thread_until_it_sleeps_idle(monkeypatch):
