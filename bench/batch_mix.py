@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import signal
 import statistics
 import tempfile
 import threading
@@ -65,7 +66,14 @@ def mixed_work(url: str, rng: random.Random, long_words: int, turns: int, reply:
     return time.perf_counter() - started
 
 
+def _interrupt(*_args) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> None:
+    # SIGTERM (timeout, systemd, a CI runner) stops it as Ctrl-C does: the finally below
+    # stops the llama-server it started.
+    signal.signal(signal.SIGTERM, _interrupt)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="2048,512,256,128", help="-b values to compare")
     parser.add_argument("--rounds", type=int, default=3)
