@@ -10,11 +10,13 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import openai
 import pytest
 
 from kvproxy.launch.processes import REPO_ROOT
+from kvproxy.slots.state import SlotTable
 from kvproxy.storage import quarantine
 from kvproxy.storage.store import SessionStore
 from tests.conftest import Stack, long_text
@@ -80,6 +82,12 @@ def test_a_save_killed_between_its_renames_restores_the_newest_state(tmp_path):
                            " Which rule mentions a falcon?"}]
         cache, reply = ask(client, second)               # restored, then grows in the slot
         assert cache == "restored"
+        # The turn is recorded just after its reply is sent: kill kvproxy once it is, so the
+        # save below has the record to check against (a kill before it is another test).
+        deadline = time.monotonic() + 30
+        while SlotTable(store).get(0).tokens <= old_tokens:
+            assert time.monotonic() < deadline, "the second turn was never recorded"
+            time.sleep(0.05)
         os.killpg(stack.proxy.process.pid, signal.SIGKILL)   # no exit save
         stack.proxy.process.wait(10)
 
