@@ -255,6 +255,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("restore_off_minutes", "60", _number(0, 525600, above_low=True),
             "Minutes restoring stays switched off after that; POST /api/sessions/restore-check/reset "
             "turns it back on at once."),
+    Setting("session_store", "chunks", _choice("chunks", "files"),
+            "How saved conversations are kept in the slot folder: 'chunks' (each token range "
+            "stored once, shared by every conversation and base snapshot that starts with it; a "
+            "save writes only what is new) or 'files' (one whole slot file per conversation, as "
+            "llama-server writes it: for comparison, or as a fallback)."),
+    Setting("chunk_tokens", "256", _number(16, 65536, whole=True),
+            "Tokens per stored chunk with KVPROXY_SESSION_STORE=chunks (the field's default; "
+            "docs/benchmark.md has the measurement). Chunks of another size are not shared."),
     Setting("max_disk_gb", "100", _gigabytes,
             "Upper bound on the slot folder's size; before a save the least recently used slot files "
             "are deleted to keep it (0: no bound)."),

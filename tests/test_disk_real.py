@@ -10,6 +10,7 @@ import openai
 import pytest
 import requests
 
+from kvproxy.storage.chunks.files import ChunkedFiles
 from kvproxy.upstream.llama import LlamaClient
 from kvproxy.launch.processes import REPO_ROOT, LlamaServer, ProxyServer, free_port, stop_process
 from kvproxy.ops.startup import contract_problem
@@ -44,8 +45,13 @@ def test_every_real_save_matches_its_sidecar(stack, client):
     store = SessionStore(stack.slot_dir)
     saved = [s for s in store.sidecars() if s.get("saved_at")]
     assert {s["session_id"] for s in saved} >= {"disk-a", "disk-b"}
-    for sidecar in saved:   # llama-server's n_written is the size on disk
-        assert sidecar["saved_bytes"] == sidecar["file_bytes"] == sidecar["n_bytes"] > 0
+    chunked = ChunkedFiles(store)
+    for sidecar in saved:   # llama-server's n_written is what the store gives back
+        assert sidecar["saved_bytes"] == store.bin_bytes(sidecar["stem"]) == sidecar["n_bytes"] > 0
+        assert chunked.check(sidecar["stem"]) == (store.read_sidecar(sidecar["stem"]), None)
+        if sidecar["stored_as"] == "chunks":   # its own file is far smaller than the whole
+            assert 0 < sidecar["file_bytes"] < sidecar["n_bytes"] / 4
+    assert {s["stored_as"] for s in saved} == {"chunks"}
     assert not list(stack.slot_dir.glob("*.saving.bin")) and not list(stack.slot_dir.glob("probe.*"))
 
 
@@ -58,7 +64,7 @@ def test_a_failed_real_save_is_dropped_keeps_the_old_file_and_answers(stack, cli
     path = files(stack)["disk-a"]
     before = path.read_bytes()
     saved_at = json.loads(path.with_suffix(".json").read_text())["saved_at"]
-    blocker = path.with_name(path.name[:-len(".bin")] + ".saving.bin")
+    blocker = path.with_name(path.with_suffix("").name + ".saving.bin")
     blocker.mkdir()
     try:
         assert ask(client, "disk-b")["x-kvproxy-cache"] == "restored"
@@ -89,8 +95,8 @@ def test_a_truncated_file_is_moved_aside_and_the_session_starts_fresh(stack, cli
     path = files(stack)["torn"]
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     assert ask(client, "torn")["x-kvproxy-cache"] in ("miss", "base")
-    assert list((stack.slot_dir / "quarantine").glob(path.stem + ".*.bin"))
-    assert "not restoring " + path.name in stack.proxy_log()
+    assert list((stack.slot_dir / "quarantine").glob(path.stem + ".*" + path.suffix))
+    assert "not restoring " + path.stem in stack.proxy_log()
 
 
 # -- start-up checks ------------------------------------------------------------

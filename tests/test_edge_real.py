@@ -11,6 +11,7 @@ import pytest
 import requests
 
 from conftest import Stack
+from kvproxy.storage.store import SessionStore
 from kvproxy.sessions.identity import client_key, file_stem, model_tag, normalise_id, on_model
 
 pytestmark = pytest.mark.real
@@ -191,7 +192,7 @@ def test_sigterm_ends_a_long_stream_and_saves_the_session(edge):
         stem = on_model(file_stem(client_key(session)), model_tag(edge.llama.model))
         sidecar = json.loads((edge.slot_dir / f"{stem}.json").read_text())
         assert sidecar.get("n_tokens", 0) > 20, "the conversation's tokens were saved at shutdown"
-        assert (edge.slot_dir / f"{stem}.bin").stat().st_size == sidecar["n_bytes"]
+        assert SessionStore(edge.slot_dir).bin_bytes(stem) == sidecar["n_bytes"]
     finally:
         edge.start_proxy()  # the later tests of this module use the same stack
     back = requests.post(edge.url + "/v1/chat/completions", headers={"X-Session-Id": session},

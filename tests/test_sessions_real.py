@@ -102,7 +102,9 @@ def test_session_endpoints_show_real_files(stack, client, saved_a_and_b):
     for session in ("conv-a", "conv-b"):
         entry = listing[session]
         path = stack.slot_dir / entry["file"]
-        assert entry["file_bytes"] == path.stat().st_size == entry["n_bytes"] > 1_000_000
+        assert entry["file_bytes"] == path.stat().st_size and entry["n_bytes"] > 1_000_000
+        # stored as chunks by default: its own file is the tail beyond its last whole chunk
+        assert entry["stored_as"] == "chunks" and entry["file_bytes"] < entry["n_bytes"] / 4
         assert entry["n_tokens"] >= 2000 and entry["hits"] >= 1
     current = requests.get(stack.url + "/api/sessions/current", timeout=10).json()
     assert current["session_id"] == "conv-b" and current["file_exists"]

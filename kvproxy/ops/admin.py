@@ -24,8 +24,17 @@ slots_blueprint = Blueprint("slots", __name__,
 class SessionSchema(ma.Schema):
     session_id = ma.fields.String(metadata={"description": "The id as the client sent it"})
     kind = ma.fields.String(metadata={"description": "'session', or 'base' for a shared system prompt"})
-    file = ma.fields.String(metadata={"description": "Slot file name in the slot folder"})
-    file_bytes = ma.fields.Integer(metadata={"description": "Size of the slot file on disk"})
+    file = ma.fields.String(metadata={
+        "description": "The session's own file in the slot folder: <stem>.bin (the whole slot "
+                       "file) or <stem>.chunked (its manifest and the tail beyond its last chunk)"})
+    file_bytes = ma.fields.Integer(metadata={
+        "description": "Bytes the session's own file takes on disk (chunks, shared, apart)"})
+    stored_as = ma.fields.String(allow_none=True, metadata={
+        "description": "'chunks' or 'file' (KVPROXY_SESSION_STORE, or a file kept whole)"})
+    chunks = ma.fields.Integer(allow_none=True, metadata={
+        "description": "Stored as chunks: how many chunks its manifest names"})
+    written_bytes = ma.fields.Integer(allow_none=True, metadata={
+        "description": "Bytes its last save wrote to the store (new chunks and its own file)"})
     n_tokens = ma.fields.Integer(allow_none=True)
     n_bytes = ma.fields.Integer(allow_none=True, metadata={"description": "Bytes llama-server wrote"})
     created_at = ma.fields.String(allow_none=True)
@@ -133,7 +142,7 @@ def _restore_check_status() -> dict:
 
 
 def _as_listing(sidecar: dict) -> dict:
-    return {**sidecar, "file": f"{sidecar.get('stem')}.bin"}
+    return {**sidecar, "file": _switch().store.saved_name(sidecar.get("stem"), sidecar)}
 
 
 class Sessions(MethodView):
@@ -171,7 +180,7 @@ class Current(MethodView):
         sidecar = store.read_sidecar(stem) if stem else None
         return {"slot": slot, "slots": slots,
                 "session_id": row["session_id"], "persistent": row["persistent"],
-                "file": row["file"],
+                "file": store.saved_name(stem, sidecar) if stem else None,
                 "file_exists": bool(stem) and store.has_bin(stem),
                 "file_bytes": store.bin_bytes(stem) if stem else 0,
                 "session": _as_listing(sidecar) if sidecar else None,

@@ -122,6 +122,14 @@ def percent(ratio: float | None) -> str:
     return "-" if ratio is None else f"{ratio * 100:.1f}%"
 
 
+def stored_text(disk: dict) -> str:
+    """How the saved sessions are stored: shared chunks against the whole files they stand for."""
+    if not disk.get("chunks"):
+        return "as whole files"
+    return (f"{disk['chunks']} shared chunks: {human_bytes(disk['used_bytes'])} on disk for "
+            f"{human_bytes(disk['logical_bytes'])} of sessions ({percent(disk['stored_ratio'])})")
+
+
 def restore_text(check: dict) -> str:
     if check.get("restoring_off"):
         cause = f": {check['cause']}" if check.get("cause") else ""
@@ -181,6 +189,7 @@ def cmd_stats(client: AdminClient, args) -> tuple[Any, str]:
         f"({percent(stats['reuse_ratio'])} reused)",
         f"disk          {human_bytes(disk['used_bytes'])} in {disk['files']} files of {bound}; "
         f"{human_bytes(disk['free_bytes'])} free",
+        f"stored        {stored_text(disk)}",
         f"saved         {len(data['sessions'])} sessions, {len(data['bases'])} base snapshots",
         f"restoring     {restore_text(data['restore_check'])}",
     ]

@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 from kvproxy import routes
 from kvproxy.sessions import identity
 from kvproxy.slots.state import SlotTable
-from kvproxy.storage.store import bytes_with_companions
+from kvproxy.storage.usage import FolderUsage, folder_usage
 from kvproxy.telemetry.metrics import REGISTRY, REQUESTS, REQUEST_SECONDS
 
 ACTIVE_HELP = ("Slots holding a session of this kind: client (an id the client sent), "
@@ -32,23 +32,17 @@ log = logging.getLogger("kvproxy.requests")
 
 
 def slot_folder_usage(root: str | Path) -> tuple[int, int]:
-    """``(bytes, files)`` of the ``*.bin`` slot files in ``root`` (bytes with their companion
-    files); files vanishing mid-scan are skipped, and so is the start-up check's probe
-    (written and deleted at once)."""
-    total = count = 0
-    try:
-        paths = [p for p in Path(root).glob("*.bin") if not p.name.startswith("probe.")]
-    except OSError:
-        return 0, 0
-    for path in paths:
-        try:
-            stat = path.stat()
-        except OSError:
-            continue
-        if path.is_file():
-            total += bytes_with_companions(path)   # llama-server's <file>.ckpt counts too
-            count += 1
-    return total, count
+    """``(bytes, files)`` the saved sessions take in ``root`` (``storage.usage``)."""
+    usage = folder_usage(root)
+    return usage.stored_bytes, usage.files
+
+
+DIR_BYTES_HELP = ("Bytes the saved sessions take in the slot folder: whole slot files, "
+                  "manifests and shared chunks (each once)")
+DIR_FILES_HELP = "Saved sessions and base snapshots in the slot folder (whole files or manifests)"
+LOGICAL_HELP = ("Bytes of the slot files the saved sessions stand for (as llama-server wrote "
+                "them); kvproxy_slot_dir_bytes over this is what sharing chunks saves")
+CHUNKS_HELP = "Chunks stored in the slot folder (KVPROXY_SESSION_STORE=chunks)"
 
 
 class SlotFolderCollector(Collector):
@@ -76,8 +70,10 @@ class SlotFolderCollector(Collector):
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
         # Fixed families, so registration checks names without touching the disk.
-        yield GaugeMetricFamily("kvproxy_slot_dir_bytes", "Bytes of *.bin slot files in the slot folder")
-        yield GaugeMetricFamily("kvproxy_slot_dir_files", "Number of *.bin slot files in the slot folder")
+        yield GaugeMetricFamily("kvproxy_slot_dir_bytes", DIR_BYTES_HELP)
+        yield GaugeMetricFamily("kvproxy_slot_dir_files", DIR_FILES_HELP)
+        yield GaugeMetricFamily("kvproxy_store_logical_bytes", LOGICAL_HELP)
+        yield GaugeMetricFamily("kvproxy_store_chunks", CHUNKS_HELP)
         yield GaugeMetricFamily("kvproxy_active_session", ACTIVE_HELP,
                                 labels=["kind", "persistent"])
         yield GaugeMetricFamily("kvproxy_slot_tokens", SLOT_TOKENS_HELP)
@@ -85,18 +81,19 @@ class SlotFolderCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         store = self._store()
-        n_bytes = n_files = 0
+        usage = FolderUsage()
         table: dict = {}
         if store is not None:
-            n_bytes, n_files = slot_folder_usage(store.root)
+            usage = folder_usage(store.root)
             try:
                 table = SlotTable(store).read()
             except Exception:  # a scrape must not fail on a bad state file
                 table = {}
-        yield GaugeMetricFamily("kvproxy_slot_dir_bytes",
-                                "Bytes of *.bin slot files in the slot folder", value=n_bytes)
-        yield GaugeMetricFamily("kvproxy_slot_dir_files",
-                                "Number of *.bin slot files in the slot folder", value=n_files)
+        yield GaugeMetricFamily("kvproxy_slot_dir_bytes", DIR_BYTES_HELP, value=usage.stored_bytes)
+        yield GaugeMetricFamily("kvproxy_slot_dir_files", DIR_FILES_HELP, value=usage.files)
+        yield GaugeMetricFamily("kvproxy_store_logical_bytes", LOGICAL_HELP,
+                                value=usage.logical_bytes)
+        yield GaugeMetricFamily("kvproxy_store_chunks", CHUNKS_HELP, value=usage.chunks)
         active = GaugeMetricFamily("kvproxy_active_session", ACTIVE_HELP,
                                    labels=["kind", "persistent"])
         kinds: dict[tuple[str, str], int] = {}

@@ -17,7 +17,7 @@ from flask_smorest import Blueprint
 
 from kvproxy import routes
 from kvproxy.version import __version__
-from kvproxy.ops.metrics import slot_folder_usage
+from kvproxy.storage.usage import folder_usage
 from kvproxy.slots.restore_check import RestoreCheck
 from kvproxy.storage.store import now_iso
 from kvproxy.slots.switch import fingerprint, fingerprint_key
@@ -39,7 +39,8 @@ def session_rows(sidecars: list[dict]) -> tuple[list[dict], list[dict]]:
     """Sidecars as the page's rows: (sessions, base snapshots), most recently used first."""
     sessions, bases = [], []
     for s in sidecars:
-        row = {"id": s.get("session_id"), "file": f"{s.get('stem')}.bin",
+        row = {"id": s.get("session_id"),
+               "file": f"{s.get('stem')}{'.chunked' if s.get('stored_as') == 'chunks' else '.bin'}",
                "bytes": s.get("file_bytes", 0), "tokens": s.get("n_tokens"),
                "last_used": s.get("last_used_at") or s.get("saved_at"),
                "restores": s.get("restores") or 0}
@@ -70,9 +71,12 @@ def slots_view(listing: list[dict], llama_slots: list[dict]) -> list[dict]:
 def disk_view(root, bound_bytes: int, budget=None) -> dict:
     """Bytes of slot files against the bound, and the filesystem's free space; with the
     ``DiskBudget``: the free space it keeps, the saves it dropped and the disk's problem."""
-    used, files = slot_folder_usage(root)
+    stored = folder_usage(root)
     usage = shutil.disk_usage(root)
-    view = {"used_bytes": used, "files": files, "bound_bytes": bound_bytes or None,
+    view = {"used_bytes": stored.stored_bytes, "files": stored.files,
+            "logical_bytes": stored.logical_bytes, "chunks": stored.chunks,
+            "stored_ratio": round(stored.ratio, 3) if stored.ratio else None,
+            "bound_bytes": bound_bytes or None,
             "free_bytes": usage.free, "total_bytes": usage.total}
     if budget is not None:
         view.update(kept_free_bytes=budget.floor(), saves_dropped=budget.dropped.count,

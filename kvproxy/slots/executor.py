@@ -27,6 +27,7 @@ from kvproxy.slots.restore_check import RestoreCheck, verify_restore
 from kvproxy.slots.saving import SlotSaver
 from kvproxy.slots.state import Phase, SlotState, SlotTable, claimed_for
 from kvproxy.storage.session_files import SaveFailed, SessionFiles
+from kvproxy.errors import StorageError
 from kvproxy.storage.store import SessionStore, now_iso
 from kvproxy.upstream.llama import LlamaClient, UpstreamError
 
@@ -257,7 +258,12 @@ class SlotExecutor:
         not refused)."""
         started = time.monotonic()
         try:
-            answer_ = self.client.slot_action(slot, "restore", self.files.restore_name(stem))
+            with self.files.staged(stem) as name:
+                answer_ = self.client.slot_action(slot, "restore", name)
+        except StorageError as exc:   # not put together: llama-server was not asked
+            log.warning("restore of %s failed: %s", stem, exc)
+            metrics.RESTORE_MISSES.labels("failed").inc()
+            return None
         except UpstreamError as exc:  # a failed restore wipes the slot; erase keeps it clean
             log.warning("restore of %s.bin failed: %s", stem, exc.message)
             metrics.RESTORE_MISSES.labels("failed").inc()

@@ -18,7 +18,7 @@ from kvproxy.slots import plan
 from kvproxy.slots.lock import SlotUnavailable
 from kvproxy.slots.plan import HIT, OURS, KeepFile, Save, WriteRecord, fingerprint_key
 from kvproxy.slots.state import SlotState, emptied
-from kvproxy.storage.store import StorageError
+from kvproxy.storage.store import CHUNKED_SUFFIX, StorageError
 from kvproxy.upstream.llama import UpstreamError, UpstreamUnavailable
 
 if TYPE_CHECKING:
@@ -171,8 +171,9 @@ class SlotHousekeeping:
         store = self.switch.store
         stems = {s["stem"] for s in store.sidecars() if s.get("session_id") == session_id}
         # a file left without its sidecar, of any model
-        stems |= {path.name[:-len(".bin")] for path in store.root.glob(
-            f"{glob.escape(file_stem(session_id))}{MODEL_SEPARATOR}*.bin")}
+        for suffix in (".bin", CHUNKED_SUFFIX):
+            stems |= {path.name[:-len(suffix)] for path in store.root.glob(
+                f"{glob.escape(file_stem(session_id))}{MODEL_SEPARATOR}*{suffix}")}
         stems.add(file_stem(session_id))
-        removed = [store.delete(stem) for stem in stems]
+        removed = [self.switch.files.delete(stem) for stem in stems]
         return any(removed)

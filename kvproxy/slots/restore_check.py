@@ -26,7 +26,8 @@ import filelock
 from kvproxy.upstream import gguf, slot_file
 from kvproxy.upstream.gguf import sliding_window
 from kvproxy.upstream.llama import UpstreamError, UpstreamUnavailable
-from kvproxy.storage.store import now_iso, read_json, write_json_atomic
+from kvproxy.storage.chunks import manifest
+from kvproxy.storage.store import CHUNKED_SUFFIX, now_iso, read_json, write_json_atomic
 
 log = logging.getLogger("kvproxy.switch")
 
@@ -48,7 +49,10 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def slot_file_tokens(path: Path) -> list[int] | None:
-    """The token ids at the head of a llama-server slot file (``slot_file.tokens``)."""
+    """The token ids of a saved session's file: the head of a llama-server slot file
+    (``slot_file.tokens``) or of the tail a manifest keeps (``<stem>.chunked``)."""
+    if Path(path).name.endswith(CHUNKED_SUFFIX):
+        return manifest.tokens(path)
     return slot_file.tokens(path)
 
 
@@ -198,7 +202,7 @@ def cause_of(metadata: dict) -> str:
 
 def reusable_tokens(store, lease) -> int | None:
     """Leading tokens the prompt shares with the restored file (None: cannot tell)."""
-    restored = slot_file_tokens(store.bin_path(lease.restored_stem))
+    restored = store.saved_tokens(lease.restored_stem)
     if restored is None:
         return None
     try:

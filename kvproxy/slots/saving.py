@@ -69,7 +69,8 @@ class SlotSaver:
                 made_by={**made_by, plan.KV_FORMAT: written_as} if written_as else made_by,
                 n_tokens=answer.get("n_saved"), n_bytes=answer.get("n_written"),
                 saved_bytes=size, save_ms=round(save_ms, 2), saved_at=now_iso(),
-                saved_from_slot=slot, refused=None, refused_by=None)
+                saved_from_slot=slot, refused=None, refused_by=None, stored_as="file",
+                chunks=None, written_bytes=size)
         try:
             write = functools.partial(self.client.slot_action, slot, "save")  # (file name)
             sidecar = self.files.save(stem, write, describe,

@@ -42,6 +42,7 @@ from kvproxy.slots.save_behind import SaveBehind
 from kvproxy.slots.state import SlotState, SlotTable
 from kvproxy.slots.swap import SlotGone, SlotSwaps  # noqa: F401
 from kvproxy.storage.folder import FolderFiles
+from kvproxy.storage.chunks.files import ChunkedFiles
 from kvproxy.storage.store import SessionStore
 from kvproxy.upstream.llama import LlamaClient, UpstreamError, UpstreamUnavailable
 
@@ -74,6 +75,8 @@ class SwitchSettings:
     save_behind: bool = _shipped("save_behind")
     save_behind_delay: float = _shipped("save_behind_delay")
     slot_keep: float = _shipped("slot_keep")
+    session_store: str = _shipped("session_store")      # "chunks" or "files"
+    chunk_tokens: int = _shipped("chunk_tokens")
 
     @classmethod
     def of(cls, settings) -> "SwitchSettings":
@@ -82,7 +85,8 @@ class SwitchSettings:
                    settings.restore_miss_limit, int(settings.max_disk_gb * 1024**3),
                    int(settings.min_free_gb * 1024**3), settings.max_waiters,
                    settings.restore_off_minutes, settings.slots, settings.save_behind,
-                   settings.save_behind_delay, settings.slot_keep)
+                   settings.save_behind_delay, settings.slot_keep, settings.session_store,
+                   settings.chunk_tokens)
 
 
 _FIELDS = [f.name for f in dataclasses.fields(SwitchSettings)]
@@ -118,7 +122,8 @@ class SlotSwitch:
         self.base_snapshots = s.base_snapshots
         self.max_disk_bytes = s.max_disk_bytes
         self.lock_timeout = s.lock_timeout
-        self.files = FolderFiles(store, s.max_disk_bytes, s.min_free_bytes)
+        self.files = ChunkedFiles(store, s.max_disk_bytes, s.min_free_bytes, s.chunk_tokens) \
+            if s.session_store == "chunks" else FolderFiles(store, s.max_disk_bytes, s.min_free_bytes)
         self.budget = self.files.budget
         self.pool = SlotPool(store, s.lock_timeout, s.max_waiters, keep=s.slot_keep)
         self.restore_check = RestoreCheck(store.root, s.restore_miss_limit,

@@ -199,6 +199,8 @@ function renderDisk(disk) {
   $("disk-meter").hidden = !disk.bound_bytes;
   figures("disk", [
     ["slot files", `${bytes(disk.used_bytes)} in ${num(disk.files)} files`],
+    ["stored as", disk.chunks ? `${num(disk.chunks)} shared chunks: ${bytes(disk.used_bytes)} for ` +
+      `${bytes(disk.logical_bytes)} of sessions (${num(Math.round(disk.stored_ratio * 100))}%)` : "whole files"],
     ["bound", disk.bound_bytes ? `${bytes(disk.bound_bytes)} (${pct(share)} used)` : "none"],
     ["free", `${bytes(disk.free_bytes)} of ${bytes(disk.total_bytes)}`],
     ["kept free", disk.kept_free_bytes == null ? "none" : bytes(disk.kept_free_bytes)],

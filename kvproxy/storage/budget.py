@@ -15,13 +15,13 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Protocol
 
 import filelock
 
 from kvproxy.telemetry import metrics
 from kvproxy.storage.checked_save import SaveFailed
-from kvproxy.storage.store import (QUARANTINE_DIR, SessionStore, bytes_with_companions, now_iso,
+from kvproxy.storage.store import (CHUNKED_SUFFIX, QUARANTINE_DIR, SessionStore, bytes_with_companions, now_iso,
                                    unlink_with_companions)
 from kvproxy.storage.sweep import is_leftover, orphan_companions
 
@@ -37,6 +37,25 @@ TROUBLE_SECONDS = 600
 # How long a save waits for the one before it in the same folder (llama-server writes one
 # slot file at a time anyway, in its main loop).
 SAVE_WAIT_SECONDS = 300
+
+
+class SharedBytes(Protocol):
+    """Bytes several sessions share (``chunks.files.ChunkedFiles``): counted once."""
+
+    def usage(self) -> tuple[int, dict[str, int]]:
+        """All shared bytes, and per stem what only it uses."""
+        ...
+
+    def free(self) -> int:
+        """Delete what no session uses any more; the bytes freed."""
+        ...
+
+
+SAVED_SUFFIXES = (".bin", CHUNKED_SUFFIX)   # a session's own file: whole, or its manifest
+
+
+def saved_stem(path: Path) -> str:
+    return path.name[:-len(CHUNKED_SUFFIX)] if path.name.endswith(CHUNKED_SUFFIX) else path.stem
 
 
 @dataclass(frozen=True)
@@ -130,6 +149,7 @@ class DiskBudget:
         self._save_file_lock = filelock.FileLock(str(store.save_lock_path), thread_local=False)
         self._pins: collections.Counter[str] = collections.Counter()
         self._pins_lock = threading.Lock()
+        self.shared: SharedBytes | None = None   # chunks, when sessions are stored as chunks
 
     @contextlib.contextmanager
     def saving(self, timeout: float = SAVE_WAIT_SECONDS) -> Iterator[None]:
@@ -199,11 +219,14 @@ class DiskBudget:
         sidecars = self.store.sidecars() if sidecars is None else sidecars
         saved = {s["stem"]: s for s in sidecars if s.get("saved_at")}
         found, total = [], 0
-        paths = list(self.store.root.glob("*.bin"))
+        paths = [p for suffix in SAVED_SUFFIXES for p in self.store.root.glob(f"*{suffix}")]
+        own: dict[str, int] = {}
+        if self.shared is not None:
+            total, own = self.shared.usage()
         orphans = orphan_companions(self.store.root)
         quarantined = self.store.root / QUARANTINE_DIR
         if quarantined.is_dir():
-            paths += [p for p in quarantined.iterdir() if p.suffix == ".bin"]
+            paths += [p for p in quarantined.iterdir() if p.name.endswith(SAVED_SUFFIXES)]
             orphans += orphan_companions(quarantined)
         for path in orphans:   # a companion without its file: loose
             try:
@@ -222,12 +245,14 @@ class DiskBudget:
             total += size
             if path.parent == self.store.root and is_leftover(path.name):
                 continue   # a save being written (or one a crash left: the start-up sweep's)
-            sidecar = saved.get(path.stem) if path.parent == self.store.root else None
+            stem = saved_stem(path)
+            sidecar = saved.get(stem) if path.parent == self.store.root else None
             if sidecar and not is_leftover(path.name):
-                if path.stem in keep:
+                if stem in keep:
                     continue
                 used = sidecar.get("last_used_at") or sidecar.get("saved_at") or ""
-                found.append(Entry(path, size, used, path.stem, loose=False))
+                # what evicting it frees: its own file, and the chunks no other session names
+                found.append(Entry(path, size + own.get(stem, 0), used, stem, loose=False))
             else:
                 used = datetime.fromtimestamp(stat.st_mtime, timezone.utc).isoformat()
                 found.append(Entry(path, size, used, None, loose=True))
@@ -292,11 +317,13 @@ class DiskBudget:
                     self.store.delete(entry.stem)
                 else:
                     unlink_with_companions(entry.path)
-                    if entry.path.parent != self.store.root and entry.path.suffix == ".bin":
-                        # a quarantined file's sidecar
-                        entry.path.with_suffix(".json").unlink(missing_ok=True)
+                    if entry.path.parent != self.store.root and \
+                            entry.path.name.endswith(SAVED_SUFFIXES):   # a quarantined file's sidecar
+                        entry.path.with_name(saved_stem(entry.path) + ".json").unlink(missing_ok=True)
             except OSError as exc:
                 log.warning("could not evict %s: %s", entry.path.name, exc)
                 continue
             log.info("evicted %s (%d bytes): %s", entry.path.name, entry.size, why)
             metrics.observe_eviction(entry.size)
+        if victims and self.shared is not None:
+            self.shared.free()   # the chunks only the evicted sessions named

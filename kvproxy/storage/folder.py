@@ -7,8 +7,9 @@ The first implementation of ``session_files.SessionFiles``: a session's file is
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from typing import Callable, ContextManager, Iterable
+from typing import Callable, ContextManager, Iterable, Iterator
 
 from kvproxy.storage import checked_save, quarantine, sweep
 from kvproxy.storage.budget import DiskBudget, DroppedSaves
@@ -44,8 +45,12 @@ class FolderFiles:
     def check(self, stem: str) -> tuple[dict | None, str | None]:
         return quarantine.file_check(self.store, stem)
 
-    def restore_name(self, stem: str) -> str:
-        return self.store.bin_path(stem).name
+    @contextlib.contextmanager
+    def staged(self, stem: str) -> Iterator[str]:
+        yield self.store.bin_path(stem).name
+
+    def tokens(self, stem: str) -> list[int] | None:
+        return self.store.saved_tokens(stem)
 
     def set_aside(self, stem: str, reason: str) -> str:
         return quarantine.set_aside(self.store, stem, reason)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import os
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable
 
-from kvproxy.storage.store import (QUARANTINE_DIR, SessionStore, StorageError,
+from kvproxy.storage.store import (CHUNKED_SUFFIX, QUARANTINE_DIR, SessionStore, StorageError,
                                    companion_suffixes, move_companions, now_iso, read_json,
                                    write_json_atomic)
 
@@ -37,8 +38,12 @@ def quarantine(store: SessionStore, stem: str, reason: str) -> Path:
     folder.mkdir(exist_ok=True)
     tag = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
     target = folder / f"{stem}.{tag}.bin"
-    os.replace(store.bin_path(stem), target)
-    move_companions(store.bin_path(stem), target)
+    if store.bin_path(stem).exists() or not store.chunked_path(stem).exists():
+        os.replace(store.bin_path(stem), target)
+        move_companions(store.bin_path(stem), target)
+    else:   # stored as chunks: the manifest goes (its chunks are freed once nothing names them)
+        target = folder / f"{stem}.{tag}{CHUNKED_SUFFIX}"
+        os.replace(store.chunked_path(stem), target)
     sidecar = read_json(store.sidecar_path(stem)) or {"stem": stem}
     sidecar.update(quarantined_at=now_iso(), quarantine_reason=reason)
     write_json_atomic(folder / f"{stem}.{tag}.json", sidecar)
@@ -62,13 +67,15 @@ def file_check(store: SessionStore, stem: str) -> tuple[dict | None, str | None]
         return read()
 
 
-def set_aside(store: SessionStore, stem: str, reason: str) -> str:
+def set_aside(store: SessionStore, stem: str, reason: str,
+              check: Callable[[SessionStore, str], tuple[dict | None, str | None]] = file_check
+              ) -> str:
     """Quarantine a file that will not be restored; says where it went, for the log. Only a
-    mismatch still there under the stem's lock: the file may have been replaced by a good
-    save since it was judged, and that must not go."""
+    mismatch still there under the stem's lock (``check``): the file may have been replaced
+    by a good save since it was judged, and that must not go."""
     try:
         with store.stem_lock(stem):
-            sidecar, problem = file_check(store, stem)
+            sidecar, problem = check(store, stem)
             if sidecar and sidecar.get("saved_at") and problem is None:
                 return "kept: it matches its sidecar when read again (a save was put in place)"
             quarantine(store, stem, reason)

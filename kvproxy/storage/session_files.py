@@ -6,7 +6,8 @@ listing, the disk budget and the start-up sweep. The slot folder (``FolderFiles`
 first implementation; a store of shared chunks, or one on another machine, implements it
 again, so the switch and its executor never change for them. llama-server itself only
 ever reads and writes plain files in its ``--slot-save-path``: a store that keeps sessions
-elsewhere puts a file there before a restore and takes it from there after a save.
+elsewhere puts a file there before a restore and takes it from there after a save. The
+store of shared chunks (``chunks.files.ChunkedFiles``) is the second implementation.
 
 Its failures are ``SaveFailed`` (the save is dropped, the session's old file and sidecar
 stay as they were, or both go) and ``NotAsRecorded`` (llama-server saved another token
@@ -58,9 +59,14 @@ class SessionFiles(Protocol):
         """The file's sidecar, and why the file does not match it (None: it does)."""
         ...
 
-    def restore_name(self, stem: str) -> str:
-        """The name llama-server restores ``stem`` from, in its slot folder (a store that
-        keeps files elsewhere puts the file there first)."""
+    def staged(self, stem: str) -> ContextManager[str]:
+        """The name llama-server restores ``stem`` from, in its slot folder, while the block
+        runs (a store that keeps files elsewhere puts the file there first and removes it
+        after); ``StorageError`` when it cannot."""
+        ...
+
+    def tokens(self, stem: str) -> list[int] | None:
+        """The tokens of the session saved as ``stem`` (None: unreadable or gone)."""
         ...
 
     def set_aside(self, stem: str, reason: str) -> str:

@@ -39,6 +39,8 @@ from typing import Any, Callable, Iterator
 import filelock
 
 from kvproxy.sessions.identity import model_tag
+from kvproxy.storage.chunks import manifest
+from kvproxy.upstream import slot_file
 
 from kvproxy.errors import StateFormatError, StorageError, map_exceptions  # noqa: F401 - both also imported from here
 
@@ -49,6 +51,9 @@ STATE_LOCK = ".kvproxy-state.lock"
 SAVE_LOCK = ".kvproxy-save.lock"  # one save at a time per folder and model
 LOCK_FILE = ".kvproxy.lock"     # slot 0's lock (the name older versions used for their one slot)
 TEMP_SUFFIX = ".saving.bin"     # a save in progress: <stem>.saving.bin
+RESTORING_SUFFIX = ".restoring.bin"  # a file put together from chunks for one restore
+CHUNKED_SUFFIX = ".chunked"     # a session stored as chunks: its manifest and own tail
+CHUNK_DIR = "chunks"            # the chunks (chunks@<model> behind a router)
 PROBE_PREFIX = "probe."         # the start-up check's probe file: probe.<hex>.bin
 QUARANTINE_DIR = "quarantine"   # files that cannot be trusted, moved aside
 STEM_LOCKS = 16                 # .kvproxy-files-<n>.lock: a stem's lock is one of these
@@ -310,22 +315,53 @@ class SessionStore:
     def bin_path(self, stem: str) -> Path:
         return self.root / f"{stem}.bin"
 
+    def chunked_path(self, stem: str) -> Path:
+        """The session stored as chunks (``storage.chunks``): its manifest and own tail."""
+        return self.root / f"{stem}{CHUNKED_SUFFIX}"
+
+    @property
+    def chunk_root(self) -> Path:
+        return self.root / (f"{CHUNK_DIR}@{self.model}" if self.model else CHUNK_DIR)
+
+    def has_companions(self, stem: str) -> bool:
+        return bool(companions(self.bin_path(stem)))
+
+    def saved_tokens(self, stem: str) -> list[int] | None:
+        """The tokens of a saved session, from its whole file or its manifest."""
+        if self.bin_path(stem).is_file():
+            return slot_file.tokens(self.bin_path(stem))
+        return manifest.tokens(self.chunked_path(stem))
+
     def sidecar_path(self, stem: str) -> Path:
         return self.root / f"{stem}.json"
 
     def has_bin(self, stem: str) -> bool:
-        return self.bin_path(stem).is_file()
+        """Whether a save of ``stem`` is stored: its whole file or its manifest."""
+        return self.bin_path(stem).is_file() or self.chunked_path(stem).is_file()
 
     def bin_bytes(self, stem: str) -> int:
-        """The slot file's own size (what llama-server reports writing)."""
+        """The slot file's own size (what llama-server reports writing), also when it is
+        stored as chunks (the size its manifest puts back together)."""
         try:
             return self.bin_path(stem).stat().st_size
         except FileNotFoundError:
-            return 0
+            return manifest.file_size(self.chunked_path(stem))
+
+    def saved_name(self, stem: str, sidecar: dict | None = None) -> str:
+        """The name of a session's own file in the folder: ``<stem>.bin``, or
+        ``<stem>.chunked`` when its last save is stored as chunks."""
+        sidecar = self.read_sidecar(stem) if sidecar is None else sidecar
+        return f"{stem}{CHUNKED_SUFFIX}" if (sidecar or {}).get("stored_as") == "chunks" \
+            else f"{stem}.bin"
 
     def disk_bytes(self, stem: str) -> int:
-        """What the slot file takes on disk: its size and its companions'."""
-        return bytes_with_companions(self.bin_path(stem))
+        """What the session's own files take on disk: the slot file and its companions, or
+        its manifest and tail (chunks, shared, are counted apart)."""
+        own = bytes_with_companions(self.bin_path(stem))
+        try:
+            return own + self.chunked_path(stem).stat().st_size
+        except OSError:
+            return own
 
     @contextlib.contextmanager
     def stem_lock(self, stem: str) -> Iterator[None]:
@@ -420,6 +456,11 @@ class SessionStore:
         """Remove a slot file, its companions and its sidecar (in that order: a crash leaves
         what the start-up sweep deletes); False when none existed."""
         removed = unlink_with_companions(self.bin_path(stem))
+        try:
+            self.chunked_path(stem).unlink()
+            removed = True
+        except FileNotFoundError:
+            pass
         try:
             self.sidecar_path(stem).unlink()
             removed = True

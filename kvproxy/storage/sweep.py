@@ -14,7 +14,8 @@ from pathlib import Path
 
 from kvproxy.storage.checked_save import discard, temp_path
 from kvproxy.storage.quarantine import quarantine, size_problem
-from kvproxy.storage.store import (PROBE_PREFIX, QUARANTINE_DIR, SIDECAR_FORMAT, TEMP_SUFFIX,
+from kvproxy.storage.store import (CHUNKED_SUFFIX, PROBE_PREFIX, QUARANTINE_DIR, RESTORING_SUFFIX,
+                                   SIDECAR_FORMAT, TEMP_SUFFIX,
                                    SessionStore, migrate_sidecar, move_companions, read_json,
                                    slot_file_of)
 
@@ -30,7 +31,8 @@ def is_leftover(name: str) -> bool:
     """A temporary file of an interrupted save, probe or sidecar write, or a companion of one
     (``<stem>.saving.bin.ckpt``)."""
     name = slot_file_of(name) or name
-    return (name.endswith(TEMP_SUFFIX) or (name.startswith(PROBE_PREFIX) and name.endswith(".bin"))
+    return (name.endswith(TEMP_SUFFIX) or name.endswith(RESTORING_SUFFIX)
+            or (name.startswith(PROBE_PREFIX) and name.endswith(".bin"))
             or (name.startswith(".") and name.endswith(".tmp")))
 
 
@@ -132,6 +134,14 @@ def sweep(store: SessionStore) -> list[str]:
         if reason:
             quarantine(store, stem, reason)
             done.append(f"moved {path.name} to {QUARANTINE_DIR}/: {reason}")
+    for path in sorted(store.root.glob(f"*{CHUNKED_SUFFIX}")):
+        stem = path.name[:-len(CHUNKED_SUFFIX)]
+        if store.bin_path(stem).is_file():   # the whole file is the newer save (``chunks.files``)
+            path.unlink(missing_ok=True)
+            done.append(f"deleted {path.name}: {stem}.bin beside it is newer")
+        elif not (store.read_sidecar(stem) or {}).get("saved_at"):
+            quarantine(store, stem, "no sidecar says what made it")
+            done.append(f"moved {path.name} to {QUARANTINE_DIR}/: no sidecar says what made it")
     for path in orphan_companions(store.root):
         discard(path)
         done.append(f"deleted {path.name}: its slot file {slot_file_of(path.name)} is gone")

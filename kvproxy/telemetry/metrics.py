@@ -75,3 +75,19 @@ def observe_eviction(n_bytes: int = 0) -> None:
     EVICTIONS.inc()
     if n_bytes:
         EVICTED_BYTES.inc(n_bytes)
+
+
+CHUNKED_SAVES = Counter("kvproxy_chunked_saves_total",
+                        "Saves stored as chunks (KVPROXY_SESSION_STORE=chunks)", registry=REGISTRY)
+SAVE_WRITTEN_BYTES = Counter("kvproxy_save_written_bytes_total",
+                             "Bytes those saves wrote to the store: new chunks and manifests "
+                             "(the file llama-server wrote is deleted at once)", registry=REGISTRY)
+SAVE_LOGICAL_BYTES = Counter("kvproxy_save_logical_bytes_total",
+                             "Bytes of the slot files those saves stored", registry=REGISTRY)
+
+
+def observe_chunked_save(written: int, logical: int) -> None:
+    """Count one save stored as chunks: what it wrote against the file it stored."""
+    CHUNKED_SAVES.inc()
+    SAVE_WRITTEN_BYTES.inc(written)
+    SAVE_LOGICAL_BYTES.inc(logical)
