@@ -92,3 +92,21 @@ def slot_file(path, *, cells=3, k_type=1, v_type=1, v_trans=0, layers=2, ext=0, 
             out += struct.pack("<iQ", v_type, row) + b"v" * row * cells
     path.write_bytes(out)
     return path
+
+
+SAVED_SUFFIXES = (".bin", ".chunked")   # a saved session's own file: whole, or its manifest
+
+
+def stem_of(name: str) -> str:
+    """The stem of a saved session's file name (``<stem>.bin`` or ``<stem>.chunked``)."""
+    for suffix in SAVED_SUFFIXES:
+        if name.endswith(suffix):
+            return name[:-len(suffix)]
+    return name
+
+
+def saved_stems(slot_dir) -> set[str]:
+    """The stems of every saved session and base snapshot in a slot folder, however stored
+    (temporary and assembled files left out)."""
+    return {stem_of(p.name) for suffix in SAVED_SUFFIXES for p in slot_dir.glob(f"*{suffix}")
+            if not p.name.endswith((".saving.bin", ".restoring.bin")) and not p.name.startswith(".")}

@@ -279,3 +279,19 @@ def test_the_tokens_of_a_manifest_are_read_without_its_chunks(files, tmp_path):
     assert slot_file_head.tokens(files.store.chunked_path("a")) is None, "not a slot file"
     meta = json.loads(files.store.chunked_path("a").read_bytes()[16:].split(b"\xff")[0][:0] or b"{}")
     assert meta == {}
+
+
+def test_a_manifest_whose_tail_was_cut_short_is_not_trusted(files):
+    save(files, "a", slot_file(PROMPT + [1] * 8))
+    path = files.store.chunked_path("a")
+    path.write_bytes(path.read_bytes()[:-100])
+    assert "its tail is not" in files.check("a")[1]
+    files.set_aside("a", "torn")
+    assert not files.has("a") and list((files.store.root / "quarantine").glob("a.*.chunked"))
+
+
+def test_a_file_shorter_than_one_chunk_stays_whole(files):
+    data = slot_file(PROMPT[:C - 1])
+    save(files, "short", data)
+    assert files.store.bin_path("short").read_bytes() == data
+    assert not list(files.chunks.keys())

@@ -49,9 +49,12 @@ def test_every_real_save_matches_its_sidecar(stack, client):
     for sidecar in saved:   # llama-server's n_written is what the store gives back
         assert sidecar["saved_bytes"] == store.bin_bytes(sidecar["stem"]) == sidecar["n_bytes"] > 0
         assert chunked.check(sidecar["stem"]) == (store.read_sidecar(sidecar["stem"]), None)
-        if sidecar["stored_as"] == "chunks":   # its own file is far smaller than the whole
+        # at least one whole chunk (KVPROXY_CHUNK_TOKENS, 256): stored as chunks, and its own
+        # file is far smaller than the whole; a shorter one is kept whole
+        assert sidecar["stored_as"] == ("chunks" if sidecar["n_tokens"] >= 256 else "file")
+        if sidecar["stored_as"] == "chunks":
             assert 0 < sidecar["file_bytes"] < sidecar["n_bytes"] / 4
-    assert {s["stored_as"] for s in saved} == {"chunks"}
+    assert "chunks" in {s["stored_as"] for s in saved}
     assert not list(stack.slot_dir.glob("*.saving.bin")) and not list(stack.slot_dir.glob("probe.*"))
 
 

@@ -5,6 +5,7 @@ import requests
 from kvproxy.storage.store import SessionStore
 
 from tests.conftest import Stack, long_text
+from tests.support import stem_of
 
 pytestmark = pytest.mark.real
 
@@ -51,7 +52,8 @@ def test_oldest_files_are_evicted_to_keep_the_folder_within_its_bound(small_stac
     assert gone and gone == SESSIONS[:len(gone)], (gone, sorted(on_disk))
     assert evictions(small_stack) == len(gone)
     for sidecar in on_disk.values():
-        assert SessionStore(small_stack.slot_dir).bin_bytes(sidecar["stem"]) == sidecar["n_bytes"]
+        stem = stem_of(sidecar["file"])
+        assert SessionStore(small_stack.slot_dir).bin_bytes(stem) == sidecar["n_bytes"]
     # an evicted session starts empty; the newest file comes back
     assert ask(small_stack, 0).headers["X-KVProxy-Cache"] == "miss"
     assert ask(small_stack, len(SESSIONS) - 1).headers["X-KVProxy-Cache"] == "restored"

@@ -12,6 +12,7 @@ import pytest
 from kvproxy.launch.processes import bundled_model, swa_model
 from kvproxy.sessions.identity import model_tag
 from tests.conftest import Stack, long_text
+from tests.support import saved_stems
 
 pytestmark = pytest.mark.real
 
@@ -45,11 +46,11 @@ def test_a_conversation_keeps_its_file_per_model_across_model_switches(tmp_path)
         assert cache != "restored", "SmolLM2's file is never offered to Gemma 3"
         ask(stack.url, "B", first)                     # A saved again, under Gemma 3
         gemma = model_tag(swa_model())
-        names = {p.name for p in stack.slot_dir.glob("*.bin")}
+        names = saved_stems(stack.slot_dir)
         for model in (smollm, gemma):                  # A and the base, once per model
-            assert any(n.startswith("client_A_") and n.endswith(f"@{model}.bin")
+            assert any(n.startswith("client_A_") and n.endswith(f"@{model}")
                        for n in names), names
-            assert any(n.startswith("base.") and n.endswith(f"@{model}.bin") for n in names)
+            assert any(n.startswith("base.") and n.endswith(f"@{model}") for n in names)
         stack.stop_proxy()
         stack.llama.model, stack.llama.swa_full = bundled_model(), False   # and back
         stack.llama.restart()

@@ -17,8 +17,10 @@ import openai
 import pytest
 import requests
 
-from kvproxy.upstream import slot_file
+from kvproxy.slots.restore_check import slot_file_tokens
+from kvproxy.storage.store import SessionStore
 from tests.conftest import Stack, long_text
+from tests.support import stem_of
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(900)]
 
@@ -181,8 +183,9 @@ def test_interleaved_conversations_side_tasks_and_deletions_keep_every_record_tr
             assert session in listed, f"{session}'s last turn is not on disk"
             path = stack.slot_dir / listed[session]["file"]
             sidecar = json.loads(path.with_suffix(".json").read_text())
-            assert path.stat().st_size == sidecar["saved_bytes"], session
-            tokens = slot_file.tokens(path)
+            assert SessionStore(stack.slot_dir).bin_bytes(stem_of(path.name)) == \
+                sidecar["saved_bytes"], session
+            tokens = slot_file_tokens(path)   # whole, or from its manifest
             assert tokens is not None and len(tokens) == sidecar["n_tokens"], session
             assert sidecar["n_tokens"] >= last, f"{session}: its settled turn is not on disk"
     finally:

@@ -14,6 +14,7 @@ from kvproxy.relay.prompt import Prompt
 from kvproxy.storage.store import SessionStore
 from kvproxy.slots.switch import RESTORED, SlotSwitch
 from tests.conftest import long_text
+from tests.support import stem_of
 
 pytestmark = pytest.mark.real
 
@@ -109,7 +110,7 @@ def test_file_from_another_model_is_not_restored(stack):
                 {"role": "user", "content": "hi"}]
     post_chat(stack, messages, {"X-Session-Id": "foreign"})
     post_chat(stack, messages, {"X-Session-Id": "someone-else"})
-    sidecar_path = stack.slot_dir / _saved(stack, "foreign")["file"].replace(".bin", ".json")
+    sidecar_path = stack.slot_dir / (stem_of(_saved(stack, "foreign")["file"]) + ".json")
     sidecar = json.loads(sidecar_path.read_text())
     sidecar["made_by"]["model_path"] = "/models/another-model.gguf"
     sidecar_path.write_text(json.dumps(sidecar))

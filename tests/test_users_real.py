@@ -13,6 +13,7 @@ import requests
 from conftest import Stack
 from kvproxy.launch.processes import ProxyServer
 from kvproxy.sessions import identity
+from tests.support import saved_stems
 
 pytestmark = pytest.mark.real
 
@@ -96,9 +97,9 @@ def test_two_users_with_one_session_id_are_two_sessions_and_share_no_cache(stack
           f"{bob_cached} of his own on /v1/chat/completions; alice (owner) cached {alice_cached}"
           f" of {back.usage.prompt_tokens}")
     # two files, one per user; each user lists only theirs, the admin token both
-    files = sorted(p.name for p in stack.slot_dir.glob("*.bin") if not p.name.startswith("base."))
-    assert sum(identity.owns("alice", f[:-4]) for f in files) == 1, files
-    assert sum(identity.owns("bob", f[:-4]) for f in files) == 1, files
+    files = sorted(s for s in saved_stems(stack.slot_dir) if not s.startswith("base."))
+    assert sum(identity.owns("alice", f) for f in files) == 1, files
+    assert sum(identity.owns("bob", f) for f in files) == 1, files
 
     def listed(key):
         reply = requests.get(stack.url + "/api/sessions", timeout=30,

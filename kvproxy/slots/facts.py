@@ -12,6 +12,7 @@ import logging
 from kvproxy.sessions.identity import Session, base_stem
 from kvproxy.slots import plan
 from kvproxy.slots.memory import SlotMemory
+from kvproxy.slots.outcome import PromptView
 from kvproxy.slots.plan import FileFacts, SwapFacts
 from kvproxy.slots.state import SlotState
 from kvproxy.storage.session_files import SessionFiles
@@ -66,6 +67,22 @@ class SlotFacts:
             return 0
         return int(entry.get("n_prompt_tokens") or 0) if entry and "id_task" in entry else 0
 
+    def prefix_facts(self, session: Session, prompt: PromptView,
+                     base: FileFacts | None) -> FileFacts | None:
+        """The stored session of ``session``'s user holding the longest start of its prompt,
+        when it holds more of it than the base snapshot (``SessionFiles.longest_prefix``)."""
+        try:
+            found = self.files.longest_prefix(prompt.tokens,
+                                              lambda stem: plan.may_seed_from(session, stem))
+        except (UpstreamError, UpstreamUnavailable, KeyError, TypeError) as exc:
+            log.info("could not tokenize the prompt to look for a stored start: %s", exc)
+            return None
+        if found is None or not plan.prefix_beats_base(found.tokens, base):
+            return None
+        log.info("session %s starts from %s, which holds the first %d tokens of its prompt",
+                 session.id, found.stem, found.tokens)
+        return self.file_facts(found.stem)
+
     def file_facts(self, stem: str) -> FileFacts:
         if not self.files.has(stem):
             return FileFacts(stem)
@@ -74,14 +91,16 @@ class SlotFacts:
 
     def swap_facts(self, slot: int, state: SlotState, session: Session, view: str,
                    made_by: dict, restoring_off: bool, base_snapshots: bool,
-                   has_prompt: bool) -> SwapFacts:
+                   prompt: PromptView | None) -> SwapFacts:
         own = self.file_facts(session.stem) if session.persistent else None
         base = self.file_facts(base_stem(session.base_hash, session.model)) \
             if session.persistent and session.base_hash and base_snapshots else None
         seed = self.file_facts(session.seed_stem) \
             if session.persistent and session.seed else None
+        prefix = self.prefix_facts(session, prompt, base) \
+            if plan.looks_for_prefix(session, own, restoring_off, prompt is not None) else None
         facts = SwapFacts(slot, state, session, view, made_by, restoring_off, own, base,
-                          None, base_snapshots, has_prompt, seed)
+                          None, base_snapshots, prompt is not None, seed, prefix)
         if plan.needs_slot_size(facts):
             facts = dataclasses.replace(facts, n_ctx=self.slot_n_ctx(slot))
         return facts

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Union
 
-from kvproxy.sessions.identity import Session, base_stem, model_tag
+from kvproxy.sessions.identity import MODEL_SEPARATOR, Session, base_stem, model_tag, owns
 from kvproxy.slots.state import Phase, SlotState
 
 # What /slots shows about the slot, against what kvproxy's last action left in it.
@@ -116,6 +116,8 @@ class SwapFacts:
     base_snapshots: bool = True    # KVPROXY_BASE_SNAPSHOTS
     has_prompt: bool = False       # the request's prompt can be tokenized (a base can be made)
     seed: FileFacts | None = None  # a forked session's: the file of the one it forked from
+    # A new session's: the stored session of its user holding the longest start of its prompt
+    prefix: FileFacts | None = None
 
 
 @dataclass(frozen=True)
@@ -245,16 +247,47 @@ def restore_problem(file: FileFacts, made_by: dict, n_ctx: int | None, slot: int
 
 def candidates(facts: SwapFacts) -> list[tuple[FileFacts, str]]:
     """The files to try, in order: the session's own, the file it was forked from (its
-    ``seed``: restored, never saved over, the slot is then this session's), then its system
-    prompt's base."""
+    ``seed``: restored, never saved over, the slot is then this session's), the stored
+    session of its user holding the longest start of its prompt (``prefix``, the same way),
+    then its system prompt's base."""
     if not facts.session.persistent or facts.restoring_off:
         return []
     found = [(facts.own, RESTORED)] if facts.own else []
     if facts.seed:  # a fork starts from the conversation it shares its start with
         found.append((facts.seed, RESTORED))
+    if facts.prefix:
+        found.append((facts.prefix, RESTORED))
     if facts.base_snapshots and facts.session.system_hash and facts.base:
         found.append((facts.base, BASE))
     return found
+
+
+def looks_for_prefix(session: Session, own: FileFacts | None, restoring_off: bool,
+                     has_prompt: bool) -> bool:
+    """Whether a swap looks for a stored session holding the start of the prompt: only for a
+    persistent session with no file of its own and no seed, while restoring is on."""
+    return bool(session.persistent and has_prompt and not restoring_off and not session.seed
+                and not (own and own.on_disk))
+
+
+def may_seed_from(session: Session, stem: str) -> bool:
+    """Whether ``session`` may start from the stored file ``stem``: another file of the same
+    model and, with API keys, of the same user (no cached-token count ever confirms another
+    user's text)."""
+    if stem == session.stem or model_tag_of(stem) != session.model:
+        return False
+    return owns(session.owner, stem) if session.owner else True
+
+
+def model_tag_of(stem: str) -> str | None:
+    return stem.rpartition(MODEL_SEPARATOR)[2] if MODEL_SEPARATOR in stem else None
+
+
+def prefix_beats_base(prefix_tokens: int, base: FileFacts | None) -> bool:
+    """A stored session is worth restoring over the base snapshot only when it holds more of
+    the prompt than the snapshot's system prompt."""
+    base_tokens = (base.sidecar or {}).get("n_tokens") if base and base.on_disk else 0
+    return prefix_tokens > (base_tokens if isinstance(base_tokens, int) else 0)
 
 
 def holds_seed(facts: SwapFacts) -> bool:

@@ -83,7 +83,7 @@ class SlotSwaps:
             made_by, asking = switch.current_made_by(), None
             restoring_off = switch.restore_check.restoring_off(fingerprint_key(made_by))
         facts = self.facts.swap_facts(slot, state, session, view, made_by, restoring_off,
-                                      switch.settings.base_snapshots, prompt is not None)
+                                      switch.settings.base_snapshots, prompt)
         actions = plan.plan_swap(facts)
         if asking is not None and not plan.undoable(actions):
             if asking.changed(made_by) is not None:

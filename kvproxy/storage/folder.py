@@ -52,6 +52,9 @@ class FolderFiles:
     def tokens(self, stem: str) -> list[int] | None:
         return self.store.saved_tokens(stem)
 
+    def longest_prefix(self, tokens: Callable[[], list[int]], accept: Callable[[str], bool]) -> None:
+        return None   # whole files are not indexed by their chunks
+
     def set_aside(self, stem: str, reason: str) -> str:
         return quarantine.set_aside(self.store, stem, reason)
 

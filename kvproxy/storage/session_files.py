@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable, ContextManager, Iterable, Protocol
 
 from kvproxy.storage.checked_save import NotAsRecorded, SaveFailed  # noqa: F401 - its failures
+from kvproxy.storage.chunks.index import Prefix
 
 
 class DroppedSavesView(Protocol):
@@ -67,6 +68,11 @@ class SessionFiles(Protocol):
 
     def tokens(self, stem: str) -> list[int] | None:
         """The tokens of the session saved as ``stem`` (None: unreadable or gone)."""
+        ...
+
+    def longest_prefix(self, tokens: Callable[[], list[int]], accept: Callable[[str], bool]) -> Prefix | None:
+        """The stored session ``accept`` allows whose file holds the longest start of the
+        prompt (``tokens()``, asked only when needed); None: none, or a store that cannot tell."""
         ...
 
     def set_aside(self, stem: str, reason: str) -> str:

@@ -27,6 +27,7 @@ from typing import Callable, Iterator
 from kvproxy.storage import quarantine
 from kvproxy.storage.chunks import cut, manifest
 from kvproxy.storage.chunks.chunk_dir import ChunkDir
+from kvproxy.storage.chunks.index import Prefix, PrefixIndex
 from kvproxy.storage.folder import FolderFiles
 from kvproxy.storage.store import SessionStore, StorageError, unlink_with_companions
 from kvproxy.telemetry import metrics
@@ -59,6 +60,7 @@ class ChunkedFiles(FolderFiles):
         self.chunk_tokens = chunk_tokens
         self.budget.shared = self
         self._checked_formats: set[str] = set()   # layouts whose cut was proven byte for byte
+        self.index = PrefixIndex(store.root)
         self._lock = threading.Lock()
 
     # -- save ---------------------------------------------------------------------
@@ -95,6 +97,8 @@ class ChunkedFiles(FolderFiles):
             return None
         first = cut.seed(made_by, layout.format)
         keys = cut.chunk_keys(first, layout.tokens, self.chunk_tokens)
+        if not keys:   # shorter than one chunk: nothing to share
+            return None
         if not self._cut_proven(buf, layout, len(keys)):
             return None
         written = 0
@@ -177,6 +181,12 @@ class ChunkedFiles(FolderFiles):
             return "its file is gone"
         except (OSError, ValueError) as exc:
             return f"its manifest cannot be read: {exc}"
+        tail = stored.layout.size - len(stored.keys) * stored.chunk_bytes
+        try:
+            if manifest.tail_bytes(self.store.chunked_path(stem)) != tail:
+                return f"its tail is not the {tail} bytes its manifest needs"
+        except (OSError, ValueError) as exc:
+            return f"its manifest cannot be read: {exc}"
         if stored.layout.size != sidecar.get("saved_bytes"):
             return f"its manifest makes {stored.layout.size} bytes, its sidecar says " \
                    f"{sidecar.get('saved_bytes')}"
@@ -190,6 +200,9 @@ class ChunkedFiles(FolderFiles):
     def tokens(self, stem: str) -> list[int] | None:
         """The tokens of the session saved as ``stem``, however it is stored."""
         return self.store.saved_tokens(stem)
+
+    def longest_prefix(self, tokens: Callable[[], list[int]], accept: Callable[[str], bool]) -> Prefix | None:
+        return self.index.longest(tokens, accept)
 
     # -- delete and free -------------------------------------------------------------
     def delete(self, stem: str) -> bool:

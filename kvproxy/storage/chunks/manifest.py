@@ -78,11 +78,25 @@ def _meta(handle) -> tuple[dict, int]:
         raise ManifestError(f"damaged manifest: {exc}") from None
 
 
-def read_keys(path: Path) -> tuple[str, ...]:
-    """The chunk keys a manifest names (without reading its tail)."""
+def read_meta(path: Path) -> dict:
+    """A manifest's JSON part (without reading its tail)."""
     with open(path, "rb") as handle:
         meta, _ = _meta(handle)
-    return tuple(meta.get("keys") or ())
+    if not isinstance(meta, dict):
+        raise ManifestError("damaged manifest: not an object")
+    return meta
+
+
+def tail_bytes(path: Path) -> int:
+    """The bytes of the tail a manifest file holds (``ManifestError``, ``OSError``)."""
+    with open(path, "rb") as handle:
+        _, offset = _meta(handle)
+        return os.fstat(handle.fileno()).st_size - offset
+
+
+def read_keys(path: Path) -> tuple[str, ...]:
+    """The chunk keys a manifest names (without reading its tail)."""
+    return tuple(read_meta(path).get("keys") or ())
 
 
 def file_size(path: Path) -> int:
