@@ -15,6 +15,9 @@ from pathlib import Path
 
 import requests
 
+from kvproxy.storage.chunks.files import ChunkedFiles
+from kvproxy.storage.store import CHUNKED_SUFFIX, SessionStore
+
 METRICS = ("kvproxy_swaps_total", "kvproxy_swap_bytes_total", "kvproxy_prompt_tokens_total",
            "kvproxy_restore_misses_total", "kvproxy_swap_seconds_sum",
            "kvproxy_swap_seconds_count", "kvproxy_lock_wait_seconds_sum",
@@ -54,17 +57,25 @@ def sidecars(slot_dir: Path) -> list[dict]:
 
 
 def files_match_sidecars(slot_dir: Path) -> list[str]:
-    """Slot files without a sidecar, or whose size is not what llama-server said it wrote."""
+    """Saved sessions (whole files or manifests of chunks) without a sidecar, or that do not
+    give back what llama-server said it wrote (a missing chunk, a torn tail, a short file)."""
+    store = SessionStore(slot_dir)
+    files = ChunkedFiles(store)
     problems = []
-    for path in sorted(slot_dir.glob("*.bin")):
-        sidecar_path = path.with_suffix(".json")
-        if not sidecar_path.exists():
-            problems.append(f"{path.name}: no sidecar")
-            continue
-        sidecar = json.loads(sidecar_path.read_text())
-        expected = sidecar.get("n_bytes")
-        if expected is not None and expected != path.stat().st_size:
-            problems.append(f"{path.name}: {path.stat().st_size} bytes, sidecar says {expected}")
+    for suffix in (".bin", CHUNKED_SUFFIX):
+        for path in sorted(slot_dir.glob(f"*{suffix}")):
+            if path.name.endswith((".saving.bin", ".restoring.bin")) or path.name.startswith("."):
+                continue
+            stem = path.name[:-len(suffix)]
+            if not store.sidecar_path(stem).exists():
+                problems.append(f"{path.name}: no sidecar")
+                continue
+            sidecar, problem = files.check(stem)
+            expected = (sidecar or {}).get("n_bytes")
+            if problem:
+                problems.append(f"{path.name}: {problem}")
+            elif expected is not None and expected != store.bin_bytes(stem):
+                problems.append(f"{path.name}: {store.bin_bytes(stem)} bytes, sidecar says {expected}")
     return problems
 
 

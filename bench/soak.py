@@ -35,6 +35,7 @@ import requests
 
 from bench.procs import Proxy
 from bench.readings import files_match_sidecars
+from kvproxy.storage.usage import folder_usage
 from bench.workload import long_text
 from kvproxy.sessions.identity import normalise_id
 from kvproxy.launch.processes import LlamaServer
@@ -450,7 +451,7 @@ def run(config: Config, work_dir: Path, out=sys.stdout) -> dict:
         report["problems"] += [f"{o.api} session {o.session} {o.kind} via {o.proxy}: "
                                f"{o.status} {o.problem or ''}" for o in bad[:20]]
         report["summary"] = summary(soak.outcomes, wall)
-        report["slot_files"] = len(list(slot_dir.glob("*.bin")))
+        report["slot_files"] = folder_usage(slot_dir).files   # whole files and manifests
         (work_dir / "requests.json").write_text(json.dumps(
             [o.__dict__ | {"text": o.text[:80]} for o in soak.outcomes], indent=1))
     finally:

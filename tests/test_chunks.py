@@ -295,3 +295,14 @@ def test_a_file_shorter_than_one_chunk_stays_whole(files):
     save(files, "short", data)
     assert files.store.bin_path("short").read_bytes() == data
     assert not list(files.chunks.keys())
+
+
+def test_the_benchmarks_check_of_the_folder_reads_both_kinds_of_file(files):
+    from bench.readings import files_match_sidecars
+    save(files, "a", slot_file(PROMPT))
+    save(files, "short", slot_file(PROMPT[:C - 1]))
+    for stem in ("a", "short"):
+        files.store.update_sidecar(stem, {}, n_bytes=files.store.bin_bytes(stem))
+    assert files_match_sidecars(files.store.root) == []
+    files.chunks.path(manifest.read_keys(files.store.chunked_path("a"))[0]).unlink()
+    assert [line.split(":")[0] for line in files_match_sidecars(files.store.root)] == ["a.chunked"]
