@@ -306,3 +306,48 @@ def test_the_benchmarks_check_of_the_folder_reads_both_kinds_of_file(files):
     assert files_match_sidecars(files.store.root) == []
     files.chunks.path(manifest.read_keys(files.store.chunked_path("a"))[0]).unlink()
     assert [line.split(":")[0] for line in files_match_sidecars(files.store.root)] == ["a.chunked"]
+
+
+def test_a_crash_in_the_middle_of_freeing_chunks_leaves_every_named_chunk(files, monkeypatch):
+    save(files, "a", slot_file(PROMPT + [1] * 40))
+    save(files, "b", slot_file(PROMPT + [2] * 40))
+    files.store.delete("b")        # b's own chunks are now named by no manifest
+    removed = []
+    real_remove = files.chunks.remove
+
+    def remove_once(key):
+        if removed:
+            raise KeyboardInterrupt()   # killed after the first deletion
+        removed.append(key)
+        return real_remove(key)
+    monkeypatch.setattr(files.chunks, "remove", remove_once)
+    with pytest.raises(KeyboardInterrupt):
+        files.sweep()
+    monkeypatch.undo()
+    assert restored(files, "a") == slot_file(PROMPT + [1] * 40)
+    files.sweep()                  # the next start finishes it
+    assert len(list(files.chunks.keys())) == 7
+
+
+def test_every_model_of_a_folder_shares_one_chunk_folder_and_frees_none_of_anothers(tmp_path):
+    default = ChunkedFiles(SessionStore(tmp_path), chunk_tokens=C)
+    other = ChunkedFiles(SessionStore(tmp_path, model="other"), chunk_tokens=C)
+    assert default.chunks.root == other.chunks.root
+    save(default, "a@m", slot_file(PROMPT))
+    save(other, "b@other", slot_file(PROMPT + [1] * 16))
+    assert other.free() == 0 and default.free() == 0
+    assert restored(default, "a@m") == slot_file(PROMPT)
+    assert restored(other, "b@other") == slot_file(PROMPT + [1] * 16)
+
+
+def test_freeing_waits_for_a_cut_in_progress(files):
+    import threading
+    save(files, "a", slot_file(PROMPT))
+    files.store.delete("a")
+    with files.naming_chunks():
+        freeing = threading.Thread(target=files.free)
+        freeing.start()
+        freeing.join(0.3)
+        assert freeing.is_alive() and len(list(files.chunks.keys())) == 5
+    freeing.join(5)
+    assert list(files.chunks.keys()) == []

@@ -53,7 +53,8 @@ LOCK_FILE = ".kvproxy.lock"     # slot 0's lock (the name older versions used fo
 TEMP_SUFFIX = ".saving.bin"     # a save in progress: <stem>.saving.bin
 RESTORING_SUFFIX = ".restoring.bin"  # a file put together from chunks for one restore
 CHUNKED_SUFFIX = ".chunked"     # a session stored as chunks: its manifest and own tail
-CHUNK_DIR = "chunks"            # the chunks (chunks@<model> behind a router)
+CHUNK_DIR = "chunks"            # the chunks, of every model
+CHUNK_LOCK = ".kvproxy-chunks.lock"  # held while chunks are named (a cut) or freed
 PROBE_PREFIX = "probe."         # the start-up check's probe file: probe.<hex>.bin
 QUARANTINE_DIR = "quarantine"   # files that cannot be trusted, moved aside
 STEM_LOCKS = 16                 # .kvproxy-files-<n>.lock: a stem's lock is one of these
@@ -321,7 +322,9 @@ class SessionStore:
 
     @property
     def chunk_root(self) -> Path:
-        return self.root / (f"{CHUNK_DIR}@{self.model}" if self.model else CHUNK_DIR)
+        """One folder of chunks for every model (their keys are seeded with the model's
+        fingerprint): a model's sessions find their chunks whichever switch saved them."""
+        return self.root / CHUNK_DIR
 
     def has_companions(self, stem: str) -> bool:
         return bool(companions(self.bin_path(stem)))

@@ -31,8 +31,7 @@ class FolderUsage:
 
 def _chunk_dirs(root: Path) -> list[Path]:
     try:
-        return [p for p in root.iterdir() if p.is_dir() and
-                (p.name == CHUNK_DIR or p.name.startswith(CHUNK_DIR + "@"))]
+        return [p for p in root.iterdir() if p.is_dir() and p.name == CHUNK_DIR]
     except OSError:
         return []
 

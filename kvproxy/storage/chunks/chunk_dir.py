@@ -1,10 +1,10 @@
 """The chunks themselves: immutable files named by their key, first writer wins.
 
-``chunks/<key[:2]>/<key>`` in the slot folder (``chunks@<model>`` behind a router). A chunk
+``chunks/<key[:2]>/<key>`` in the slot folder, for every model (keys carry the model). A chunk
 is written under a temporary name and linked to its key, which fails when the key exists:
 two saves of one prefix never overwrite each other and a reader never sees half a chunk. A
 crash leaves at most a temporary file, which ``sweep`` deletes. Removing chunks is the
-caller's to decide (``ChunkedFiles.free``, under the folder's save lock).
+caller's to decide (``ChunkedFiles.free``, under the folder's chunk lock).
 """
 from __future__ import annotations
 

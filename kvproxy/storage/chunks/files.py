@@ -10,8 +10,8 @@ Crash rule: while ``<stem>.bin`` exists it is the session's newest save (it is d
 after its manifest is in place), so a ``<stem>.chunked`` beside it is stale. A file this
 module does not fully understand (``slot_layout.read_layout`` is None: media, a later
 llama-server's format, companions) stays whole, as ``FolderFiles`` keeps it. Chunks no
-manifest names are deleted under the folder's save lock (``free``), so no save in flight
-can be naming one.
+manifest names are deleted under the folder's chunk lock (``free``), which a cut holds from
+its first chunk to its manifest, so no save in flight, of any model, can be naming one.
 """
 from __future__ import annotations
 
@@ -24,18 +24,22 @@ import threading
 from pathlib import Path
 from typing import Callable, Iterator
 
+import filelock
+
 from kvproxy.storage import quarantine
 from kvproxy.storage.chunks import cut, manifest
 from kvproxy.storage.chunks.chunk_dir import ChunkDir
 from kvproxy.storage.chunks.index import Prefix, PrefixIndex
 from kvproxy.storage.folder import FolderFiles
-from kvproxy.storage.store import SessionStore, StorageError, unlink_with_companions
+from kvproxy.storage.store import (CHUNK_LOCK, SessionStore, StorageError,
+                                   unlink_with_companions)
 from kvproxy.telemetry import metrics
 from kvproxy.upstream import slot_layout
 
 log = logging.getLogger("kvproxy.disk")
 
 RESTORING_SUFFIX = ".restoring.bin"   # an assembled file llama-server is reading
+CHUNK_LOCK_SECONDS = 300.0            # longest wait for another cut or freeing
 DEFAULT_CHUNK_TOKENS = 256
 
 
@@ -61,6 +65,11 @@ class ChunkedFiles(FolderFiles):
         self.budget.shared = self
         self._checked_formats: set[str] = set()   # layouts whose cut was proven byte for byte
         self.index = PrefixIndex(store.root)
+        # Chunks are shared by every model's switch in the folder: a cut (chunks written, then
+        # the manifest naming them) and a freeing never overlap, in any thread or process.
+        self._chunk_thread_lock = threading.Lock()
+        self._chunk_file_lock = filelock.FileLock(str(store.root / CHUNK_LOCK),
+                                                  thread_local=False)
         self._lock = threading.Lock()
 
     # -- save ---------------------------------------------------------------------
@@ -102,15 +111,16 @@ class ChunkedFiles(FolderFiles):
         if not self._cut_proven(buf, layout, len(keys)):
             return None
         written = 0
-        for i, key in enumerate(keys):
-            if not self.chunks.has(key):
-                written += self.chunks.put(key, cut.joined(cut.chunk_parts(
-                    buf, layout, i * self.chunk_tokens, (i + 1) * self.chunk_tokens)))
-        stored = manifest.Manifest(self.chunk_tokens, first, tuple(keys), layout)
-        with self.store.stem_lock(stem):
-            written += manifest.write(self.store.chunked_path(stem), stored,
-                                      cut.tail_parts(buf, layout, len(keys) * self.chunk_tokens))
-            unlink_with_companions(path)
+        with self.naming_chunks():
+            for i, key in enumerate(keys):
+                if not self.chunks.has(key):
+                    written += self.chunks.put(key, cut.joined(cut.chunk_parts(
+                        buf, layout, i * self.chunk_tokens, (i + 1) * self.chunk_tokens)))
+            stored = manifest.Manifest(self.chunk_tokens, first, tuple(keys), layout)
+            with self.store.stem_lock(stem):
+                written += manifest.write(self.store.chunked_path(stem), stored, cut.tail_parts(
+                    buf, layout, len(keys) * self.chunk_tokens))
+                unlink_with_companions(path)
         metrics.observe_chunked_save(written, layout.size)
         self.store.update_sidecar(stem, {}, stored_as="chunks", chunks=len(keys),
                                   written_bytes=written)
@@ -208,8 +218,7 @@ class ChunkedFiles(FolderFiles):
     def delete(self, stem: str) -> bool:
         removed = super().delete(stem)
         if removed:
-            with self.saving():
-                self.free()
+            self.free()
         return removed
 
     def usage(self) -> tuple[int, dict[str, int]]:
@@ -238,14 +247,38 @@ class ChunkedFiles(FolderFiles):
                 continue
         return found
 
+    @contextlib.contextmanager
+    def naming_chunks(self, timeout: float = CHUNK_LOCK_SECONDS) -> Iterator[None]:
+        """Hold the folder's chunk lock (``StorageError`` after ``timeout`` seconds)."""
+        if not self._chunk_thread_lock.acquire(timeout=timeout):
+            raise StorageError(f"the chunk lock stayed taken for {timeout:.0f} s")
+        try:
+            try:
+                self._chunk_file_lock.acquire(timeout=timeout)
+            except filelock.Timeout:
+                raise StorageError(f"another process held the chunk lock for {timeout:.0f} s") \
+                    from None
+            try:
+                yield
+            finally:
+                self._chunk_file_lock.release()
+        finally:
+            self._chunk_thread_lock.release()
+
     def free(self) -> int:
-        """Delete the chunks no manifest names; the bytes freed. Run under the save lock."""
-        named = {key for keys in self.named().values() for key in keys}
-        freed = 0
-        for key, _ in list(self.chunks.keys()):
-            if key not in named:
-                freed += self.chunks.remove(key)
-        return freed
+        """Delete the chunks no manifest names; the bytes freed (0 when the chunk lock
+        cannot be had: the next freeing does it)."""
+        try:
+            with self.naming_chunks():
+                named = {key for keys in self.named().values() for key in keys}
+                freed = 0
+                for key, _ in list(self.chunks.keys()):
+                    if key not in named:
+                        freed += self.chunks.remove(key)
+                return freed
+        except StorageError as exc:
+            log.warning("did not free unused chunks: %s", exc)
+            return 0
 
     def sweep(self) -> list[str]:
         done = super().sweep()
@@ -255,8 +288,7 @@ class ChunkedFiles(FolderFiles):
         for path in sorted(self.store.root.glob(f"*{RESTORING_SUFFIX}")):
             path.unlink(missing_ok=True)
             done.append(f"deleted leftover assembled file {path.name}")
-        with self.saving():
-            freed = self.free()
+        freed = self.free()
         if freed:
             done.append(f"deleted chunks no manifest names ({freed} bytes)")
         return done
