@@ -150,3 +150,12 @@ def test_rm_percent_encodes_ids(capsys):
     with responses.RequestsMock() as mock:
         mock.add(responses.DELETE, "http://k.test/api/sessions/a%2Fb%20c%3F", status=204)
         assert run(capsys, "--url", "http://k.test", "rm", "a/b c?")[0] == 0
+
+
+def test_stats_say_how_sessions_are_stored():
+    from kvproxy.ops.cli import stored_text
+    assert stored_text({"chunks": 0}) == "as whole files"
+    text = stored_text({"chunks": 12, "used_bytes": 3 * 1024**2, "logical_bytes": 12 * 1024**2,
+                        "stored_ratio": 0.25, "written_per_save": 1024**2,
+                        "logical_per_save": 6 * 1024**2})
+    assert text.startswith("12 shared chunks") and "25.0%" in text and "a save wrote" in text

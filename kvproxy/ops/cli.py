@@ -126,8 +126,12 @@ def stored_text(disk: dict) -> str:
     """How the saved sessions are stored: shared chunks against the whole files they stand for."""
     if not disk.get("chunks"):
         return "as whole files"
-    return (f"{disk['chunks']} shared chunks: {human_bytes(disk['used_bytes'])} on disk for "
+    text = (f"{disk['chunks']} shared chunks: {human_bytes(disk['used_bytes'])} on disk for "
             f"{human_bytes(disk['logical_bytes'])} of sessions ({percent(disk['stored_ratio'])})")
+    if disk.get("written_per_save") is not None:
+        text += (f"; a save wrote {human_bytes(disk['written_per_save'])} of "
+                 f"{human_bytes(disk['logical_per_save'])} on average")
+    return text
 
 
 def restore_text(check: dict) -> str:

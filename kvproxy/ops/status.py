@@ -18,6 +18,7 @@ from flask_smorest import Blueprint
 from kvproxy import routes
 from kvproxy.version import __version__
 from kvproxy.storage.usage import folder_usage
+from kvproxy.telemetry import metrics
 from kvproxy.slots.restore_check import RestoreCheck
 from kvproxy.storage.store import now_iso
 from kvproxy.slots.switch import fingerprint, fingerprint_key
@@ -78,6 +79,12 @@ def disk_view(root, bound_bytes: int, budget=None) -> dict:
             "stored_ratio": round(stored.ratio, 3) if stored.ratio else None,
             "bound_bytes": bound_bytes or None,
             "free_bytes": usage.free, "total_bytes": usage.total}
+    saves = metrics.REGISTRY.get_sample_value("kvproxy_chunked_saves_total") or 0
+    written = metrics.REGISTRY.get_sample_value("kvproxy_save_written_bytes_total") or 0
+    logical = metrics.REGISTRY.get_sample_value("kvproxy_save_logical_bytes_total") or 0
+    view.update(chunked_saves=int(saves),   # since start: what saves wrote against their files
+                written_per_save=int(written / saves) if saves else None,
+                logical_per_save=int(logical / saves) if saves else None)
     if budget is not None:
         view.update(kept_free_bytes=budget.floor(), saves_dropped=budget.dropped.count,
                     last_dropped=budget.dropped.last, problem=budget.problem())

@@ -201,6 +201,8 @@ function renderDisk(disk) {
     ["slot files", `${bytes(disk.used_bytes)} in ${num(disk.files)} files`],
     ["stored as", disk.chunks ? `${num(disk.chunks)} shared chunks: ${bytes(disk.used_bytes)} for ` +
       `${bytes(disk.logical_bytes)} of sessions (${num(Math.round(disk.stored_ratio * 100))}%)` : "whole files"],
+    ["written per save", disk.written_per_save == null ? "no save as chunks yet" :
+      `${bytes(disk.written_per_save)} for ${bytes(disk.logical_per_save)} files (${num(disk.chunked_saves)} saves)`],
     ["bound", disk.bound_bytes ? `${bytes(disk.bound_bytes)} (${pct(share)} used)` : "none"],
     ["free", `${bytes(disk.free_bytes)} of ${bytes(disk.total_bytes)}`],
     ["kept free", disk.kept_free_bytes == null ? "none" : bytes(disk.kept_free_bytes)],
