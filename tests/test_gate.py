@@ -3,7 +3,8 @@ app-level behaviour is in test_users.py, test_admin.py, test_guard.py and test_r
 import pytest
 
 from kvproxy import routes
-from kvproxy.web import gate, users
+from kvproxy.errors import MISSING_KEY
+from kvproxy.web import gate
 
 ALICE = "alice-key-0123456789"
 KEYS = {ALICE: "alice"}
@@ -25,8 +26,8 @@ def test_a_key_route_needs_a_users_key_only_when_keys_are_set():
     assert judge(routes.KEY, TOKEN_ONLY, {}) == gate.LET_IN
     assert judge(routes.KEY, BOTH, {"x-api-key": ALICE}) == gate.Verdict(user="alice")
     assert judge(routes.KEY, BOTH, {"Authorization": f"bearer {ALICE}"}).user == "alice"
-    assert judge(routes.KEY, BOTH, {"Authorization": "Bearer s3cret"}).refused == users.MISSING_KEY
-    assert judge(routes.KEY, BOTH, {}).refused == users.MISSING_KEY
+    assert judge(routes.KEY, BOTH, {"Authorization": "Bearer s3cret"}).refused == MISSING_KEY
+    assert judge(routes.KEY, BOTH, {}).refused == MISSING_KEY
 
 
 def test_an_admin_route_needs_the_exact_token_header_when_a_token_is_set():

@@ -69,7 +69,7 @@ def test_a_bug_reads_the_same_in_every_family(app, monkeypatch):
     def broken(*args, **kwargs):
         raise KeyError("a bug")
 
-    monkeypatch.setattr(app.extensions["kvproxy.relay"].facts, "of", broken)
+    monkeypatch.setattr(app.extensions["kvproxy.relay"].models.view, "model_facts", broken)
     monkeypatch.setattr(app.extensions["kvproxy.switch"], "slot_listing", broken)
     client = app.test_client()
     said = {

@@ -5,7 +5,7 @@ format into a ``ChatCall`` (``context``) whose body is an OpenAI-style llama-ser
 request, with its caller; the relay refuses what cannot fit (``limits``), resolves the
 session (``session``), leases a slot of the model's switch, pins the body to it and hands
 back an ``Answer`` or an ``Exchange`` (``answer``) that holds the slot until the server
-has sent the reply. Side requests (``side``) and the model facts (``model_facts``) go
+has sent the reply. Side requests (``side``) and the model facts (the server's view) go
 through here too, so web/ needs nothing of slots/ or storage/.
 """
 from __future__ import annotations
@@ -19,7 +19,6 @@ from kvproxy.errors import ClientGone, KvproxyError
 from kvproxy.relay import limits, side
 from kvproxy.relay.answer import Answer, Exchange
 from kvproxy.relay.context import ChatCall, RawCall
-from kvproxy.relay.model_facts import ModelFacts
 from kvproxy.relay.prompt import Prompt
 from kvproxy.relay.session import SessionResolver
 from kvproxy.sessions.identity import Session
@@ -39,7 +38,6 @@ class Relay:
         self.client = client
         self.switch = switch
         self.models = models or ModelSwitches(client, switch, None)
-        self.facts = ModelFacts(settings, client, self.models)
         self.sessions = SessionResolver(settings)
 
     # -- a conversation's request ------------------------------------------------------
@@ -144,9 +142,10 @@ class Relay:
 
     # -- what llama-server serves ------------------------------------------------------
     def model_facts(self, requested: object = None) -> dict:
-        """``ModelFacts.of``: the served model's facts (behind a router, ``requested``'s)."""
-        return self.facts.of(requested)
+        """The served model's facts (behind a router, ``requested``'s), from the server's one
+        view (``ServerView.model_facts``, cached briefly), under the configured name."""
+        return self.models.view.model_facts(requested, self.settings.model_name)
 
     def all_model_facts(self) -> list[dict]:
-        """``ModelFacts.every``: the facts of every model llama-server serves."""
-        return self.facts.every()
+        """The facts of every model llama-server serves (``ServerView.all_model_facts``)."""
+        return self.models.view.all_model_facts(self.settings.model_name)

@@ -73,6 +73,12 @@ def file_facts(path: str) -> tuple[dict, int | None, float | None]:
         return {}, None, None
 
 
+def model_file(facts: dict) -> tuple[dict, int | None, float | None]:
+    """``file_facts`` of the model file a server view's model facts name (their /props'
+    ``model_path``), as the Ollama model routes describe it."""
+    return file_facts(facts["props"].get("model_path") or "")
+
+
 def sliding_window(metadata: dict) -> int | None:
     """The sliding window of an SWA model (Gemma 3, gpt-oss, ...), from its GGUF header, else
     None. llama-server keeps only the window of such layers unless started with ``--swa-full``,

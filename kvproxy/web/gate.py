@@ -26,7 +26,7 @@ from flask import Flask, request
 
 from kvproxy import routes
 from kvproxy.config import Settings
-from kvproxy.errors import ClientError
+from kvproxy.errors import MISSING_KEY, ClientError
 from kvproxy.web import body_limit, guard, users
 from kvproxy.web.common import see_sent_replies
 
@@ -68,7 +68,7 @@ def judge(kind: str, credentials: Credentials, headers: Mapping[str, str], metho
         if not credentials.keys:
             return LET_IN
         user = users.user_of(users.sent_key(headers), credentials.keys)
-        return Verdict(user=user) if user else Verdict(refused=users.MISSING_KEY)
+        return Verdict(user=user) if user else Verdict(refused=MISSING_KEY)
     if credentials.token_header is None:  # no admin token set: the admin side is open
         return LET_IN
     user = None

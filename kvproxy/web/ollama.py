@@ -19,7 +19,7 @@ from kvproxy.relay.context import ChatCall
 from kvproxy.translate import ollama as tr
 from kvproxy import routes
 from kvproxy.web.common import json_body, relay, serve_chat
-from kvproxy.relay.model_facts import model_file
+from kvproxy.upstream.gguf import model_file
 from kvproxy.translate.ollama_model import describe_facts
 
 blueprint = Blueprint("ollama", __name__)

@@ -20,7 +20,6 @@ from typing import Mapping
 
 from flask import request
 
-from kvproxy.errors import MISSING_KEY  # noqa: F401 - the gate's refusal, named here too
 
 USER = "kvproxy.user"  # the request's user, in the WSGI environ
 
