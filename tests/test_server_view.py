@@ -87,3 +87,22 @@ def test_the_status_look_is_not_the_clients_connection():
         client.view.look()
         assert all(c.request.headers["Authorization"] == "Bearer k" for c in mock.calls)
     assert client.view._look_http is not client.http
+
+
+def test_a_fresh_read_asks_now_and_serves_the_others():
+    view = LlamaClient(URL).view
+    with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
+        stubbed(mock)
+        view.props()
+        view.fresh_props()
+        assert asked(mock, "/props") == 2, "the checks judge llama-server as it is now"
+        view.props()
+        assert asked(mock, "/props") == 2
+
+
+def test_a_listing_read_of_a_model_behind_a_router_never_loads_it():
+    view = LlamaClient(URL).for_model("m").view
+    with responses.RequestsMock() as mock:
+        mock.get(URL + "/props?model=m&autoload=false", json={"total_slots": 2})
+        assert view.props(autoload=False) == {"total_slots": 2}
+        assert view.props() == {"total_slots": 2}, "kept for the readers that would load it"

@@ -116,7 +116,7 @@ def diagnose(settings: Settings, flags: Flags | None, wait: float = 10) -> list[
                          settings.slot_action_timeout, api_key=settings.upstream_api_key)
     checks: list[Check] = []
     try:
-        props = client.props()
+        props = client.view.fresh_props()
     except UpstreamUnavailable as exc:
         return [Check(FAIL, "reachable", f"{exc}: start it, or point --upstream "
                                          "(KVPROXY_UPSTREAM) at it")]

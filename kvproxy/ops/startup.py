@@ -79,7 +79,7 @@ def contract_checks(client: LlamaClient, switch) -> Iterator[tuple[str, str | No
     cannot answer yet.
     """
     slot_id, root = switch.slot_id, switch.store.root
-    props = client.props()
+    props = client.view.fresh_props()
     if props.get("role") == "router":
         return  # several models, each with slots of its own: see slots.models
     total = props.get("total_slots")
@@ -151,7 +151,8 @@ class Contract:
             if not held:
                 return None
             problem = contract_problem(self.client, self.switch)
-            router = problem is None and self.client.props().get("role") == "router"
+            # the answer contract_problem just asked (a problem stops before it is needed)
+            router = problem is None and self.client.view.props().get("role") == "router"
             if problem is None and not self.passed and not router:
                 self.restore_verdict = prove_restores(self.switch, self.client)
         if problem and problem != self.problem:

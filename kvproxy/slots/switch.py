@@ -159,7 +159,7 @@ class SlotSwitch:
     def _llama_slot_count(self) -> int | None:
         try:
             # autoload=False: behind a router, a listing must never load the model
-            total = self.client.props(autoload=False).get("total_slots")
+            total = self.client.view.props(autoload=False).get("total_slots")
             if isinstance(total, int) and total > 0:
                 return total
             slots = self.client.slots()

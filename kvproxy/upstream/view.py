@@ -5,7 +5,8 @@ by the fingerprint a swap plans with, by the switch per model, by the served mod
 facts the APIs show, and by the status page. Each reader says how fresh an answer must
 be, and every answer asked for one of them is kept here for the others:
 
-- ``props(max_age)``, ``listing(max_age)``, ``entries(fresh)``: reused for a few seconds;
+- ``props(max_age)``, ``listing(max_age)``, ``entries(fresh)``: reused for a few seconds
+  (``fresh_props()``: asked now, for the checks that judge the server as it is);
 - ``maker()`` / ``ask_maker()``: the facts a fingerprint is made of, asked together with
   the connection of the last slot call before them (its "witness"): reused while that
   connection is still open (``proven``), since llama-server has not restarted;
@@ -92,10 +93,16 @@ class ServerView:
         self._answers[name] = Asked(value, self.clock())
         return value
 
-    def props(self, max_age: float = PROPS_TTL) -> dict:
-        """``/props``, reused for ``max_age`` seconds."""
+    def props(self, max_age: float = PROPS_TTL, autoload: bool = True) -> dict:
+        """``/props``, reused for ``max_age`` seconds; asked with ``autoload=False``, a model
+        behind a router that is not loaded answers 400 rather than being loaded."""
         asked = self._fresh("props", max_age)
-        return asked.value if asked is not None else self._keep("props", self.client.props())
+        return asked.value if asked is not None else self.fresh_props(autoload)
+
+    def fresh_props(self, autoload: bool = True) -> dict:
+        """``/props`` asked now, whatever is kept (the start-up check and ``kvproxy doctor``
+        judge llama-server as it is); the answer serves the other readers."""
+        return self._keep("props", self.client.props(autoload=autoload))
 
     def listing(self, max_age: float = LISTING_TTL) -> dict:
         """``/v1/models`` (of ``client.model`` only, behind a router), reused for ``max_age``
