@@ -14,7 +14,7 @@ BUILD_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 CLAUDE_CODE_VERSION := 2.1.332
 NPM_DIR := var/npm
 
-.PHONY: setup swa-model run test test-unit test-deploy nginx mutate bench bench-concurrency bench-swap bench-slot-overhead bench-idle-residents bench-kill bench-models soak clean claude-cli dist
+.PHONY: setup swa-model run test test-unit test-deploy nginx mutate bench bench-concurrency bench-swap bench-slot-overhead bench-idle-residents bench-kill bench-models bench-chunks soak clean claude-cli dist
 setup: $(VENV)/.requirements $(VENV)/.llama-server $(VENV)/.model
 
 $(VENV)/bin/python:
@@ -153,6 +153,12 @@ bench-kill: setup
 # again, the load timed apart (a few minutes).
 bench-models: setup swa-model
 	$(BIN)/python -m bench.models $(BENCH_ARGS)
+
+# Sessions as shared chunks against whole files, same run: disk bytes, bytes written per turn,
+# restores and another slot's stream during a save (about 20 minutes on a quiet machine);
+# BENCH_ARGS="--scale 0.2 --chunk-sizes 256" for a smoke run.
+bench-chunks: setup
+	$(BIN)/python -m bench.chunks $(BENCH_ARGS)
 
 # Minutes of load against the real llama-server; not part of `make test` (a short one is).
 soak: setup
