@@ -160,8 +160,9 @@ class ChunkedFiles(FolderFiles):
         path = self.store.root / name
         try:
             stored, tail = manifest.read(self.store.chunked_path(stem))
-            with open(path, "wb") as out:
-                cut.assemble(stored.layout, tail, lambda i: self.chunks.read(stored.keys[i]),
+            with open(path, "wb") as out, contextlib.ExitStack() as maps:
+                cut.assemble(stored.layout, tail,
+                             lambda i: maps.enter_context(self.chunks.mapped(stored.keys[i])),
                              len(stored.keys), stored.chunk_tokens, out)
         except (OSError, ValueError) as exc:
             path.unlink(missing_ok=True)
