@@ -9,6 +9,7 @@ A format newer than this kvproxy's is refused loudly: it is not guessed at.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import secrets
@@ -82,6 +83,14 @@ def read_meta(path: Path) -> dict:
     """A manifest's JSON part (without reading its tail)."""
     with open(path, "rb") as handle:
         meta, _ = _meta(handle)
+    if not isinstance(meta, dict):
+        raise ManifestError("damaged manifest: not an object")
+    return meta
+
+
+def meta_of(data: bytes) -> dict:
+    """The JSON part of a manifest file's bytes (``ManifestError`` when it is not one)."""
+    meta, _ = _meta(io.BytesIO(data))
     if not isinstance(meta, dict):
         raise ManifestError("damaged manifest: not an object")
     return meta
