@@ -288,6 +288,10 @@ SETTINGS: tuple[Setting, ...] = (
             "per conversation: a newer save replaces the waiting one). Past it the oldest "
             "waiting upload is dropped and counted (kvproxy_store_uploads_dropped_total); the "
             "local copy is kept."),
+    Setting("store_fetch_seconds", "30", _timeout,
+            "Longest a conversation missing from the slot folder may take to come from the "
+            "shared store (its session, then its chunks, several at once); past it, or when the "
+            "fetch fails, its prompt is computed, with one log line."),
     Setting("max_disk_gb", "100", _gigabytes,
             "Upper bound on the slot folder's size; before a save the least recently used slot files "
             "are deleted to keep it (0: no bound)."),

@@ -83,8 +83,10 @@ class SlotFacts:
                  session.id, found.stem, found.tokens)
         return self.file_facts(found.stem)
 
-    def file_facts(self, stem: str) -> FileFacts:
-        if not self.files.has(stem):
+    def file_facts(self, stem: str, fetch: bool = False) -> FileFacts:
+        """What the folder holds of ``stem``; with ``fetch``, a file it lacks is first looked
+        up in the shared store (fetch on miss)."""
+        if not self.files.has(stem) and not (fetch and self.files.fetch(stem)):
             return FileFacts(stem)
         sidecar, problem = self.files.check(stem)
         return FileFacts(stem, True, sidecar, problem)
@@ -92,7 +94,7 @@ class SlotFacts:
     def swap_facts(self, slot: int, state: SlotState, session: Session, view: str,
                    made_by: dict, restoring_off: bool, base_snapshots: bool,
                    prompt: PromptView | None) -> SwapFacts:
-        own = self.file_facts(session.stem) if session.persistent else None
+        own = self.file_facts(session.stem, fetch=True) if session.persistent else None
         base = self.file_facts(base_stem(session.base_hash, session.model)) \
             if session.persistent and session.base_hash and base_snapshots else None
         seed = self.file_facts(session.seed_stem) \

@@ -123,3 +123,22 @@ def observe_upload(outcome: str, chunk_bytes: int, session_bytes: int, seconds: 
     if session_bytes:
         STORE_UPLOAD_BYTES.labels("session").inc(session_bytes)
     STORE_UPLOAD_SECONDS.observe(seconds)
+
+
+STORE_FETCHES = Counter("kvproxy_store_fetches_total",
+                        "Sessions the slot folder lacked, looked up in the shared store, by "
+                        "outcome (fetched, not in the store, failed: computed instead)",
+                        ["outcome"], registry=REGISTRY)
+STORE_FETCH_BYTES = Counter("kvproxy_store_fetch_bytes_total",
+                            "Bytes fetched from the shared store", registry=REGISTRY)
+STORE_FETCH_SECONDS = Histogram("kvproxy_store_fetch_seconds",
+                                "Time to fetch one session from the shared store",
+                                buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+                                registry=REGISTRY)
+
+
+def observe_fetch(outcome: str, n_bytes: int, seconds: float) -> None:
+    STORE_FETCHES.labels(outcome).inc()
+    if n_bytes:
+        STORE_FETCH_BYTES.inc(n_bytes)
+    STORE_FETCH_SECONDS.observe(seconds)

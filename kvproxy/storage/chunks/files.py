@@ -175,6 +175,13 @@ class ChunkedFiles(FolderFiles):
         finally:
             path.unlink(missing_ok=True)
 
+    def fetch(self, stem: str) -> bool:
+        """Fetch on miss: bring ``stem`` from the shared store when the folder lacks it;
+        whether it is here now (False: no shared store, not there, or the fetch failed)."""
+        if self.shared is None or self.has(stem):
+            return False
+        return self.shared.fetch(self, stem)
+
     def check(self, stem: str) -> tuple[dict | None, str | None]:
         if self.store.bin_path(stem).is_file():
             return super().check(stem)
