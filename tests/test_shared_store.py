@@ -219,3 +219,29 @@ def test_a_chunk_freed_before_its_upload_leaves_no_manifest(bucket, files):
     assert publish(bucket, files, "s").outcome == GONE
     assert bucket.head(bucket.location.session("_", "s")) is None
 
+
+
+class Recording(Bucket):
+    """The real bucket, recording the order of its writes."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.writes = []
+
+    def put_if_absent(self, key, body, metadata=None):
+        self.writes.append(key)
+        return super().put_if_absent(key, body, metadata)
+
+    def replace(self, key, body, etag, metadata=None):
+        self.writes.append(key)
+        return super().replace(key, body, etag, metadata)
+
+
+def test_the_session_object_is_written_after_every_chunk_it_names(store_url, files):
+    """So a node killed during an upload never leaves a manifest naming a missing chunk."""
+    bucket = Recording(StoreLocation.parse(store_url), 5)
+    save_chunked(files, "s", TOKENS)
+    publish(bucket, files, "s")
+    session = bucket.location.session("_", "s")
+    assert bucket.writes[-1] == session and session not in bucket.writes[:-1]
+    assert len(bucket.writes) == 6

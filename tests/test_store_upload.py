@@ -160,3 +160,27 @@ def test_a_store_outage_degrades_health_and_uploads_resume_when_it_returns(own_w
     assert shared.problem() is None and client.get("/health").json["status"] == "ok"
     assert stored_generation(shared.bucket, "s") == session_object.generation_of({"saved_at": LATER})
     shared.close()
+
+
+def test_a_conversation_deleted_here_is_deleted_from_the_bucket(store_url, tmp_path):
+    shared = SharedStore(Bucket(StoreLocation.parse(store_url), 5))
+    files = chunked(tmp_path, shared)
+    save_chunked(files, "s", TOKENS)
+    assert shared.uploader.wait_idle(30) and stored_generation(shared.bucket, "s") is not None
+    assert files.delete("s")
+    assert shared.uploader.wait_idle(30)
+    assert stored_generation(shared.bucket, "s") is None
+    shared.close()
+
+
+def test_an_eviction_keeps_the_stored_copy(store_url, tmp_path):
+    """The disk budget deletes a file to make room: the store behind keeps it."""
+    shared = SharedStore(Bucket(StoreLocation.parse(store_url), 5))
+    files = chunked(tmp_path, shared)
+    save_chunked(files, "s", TOKENS)
+    assert shared.uploader.wait_idle(30)
+    files.store.delete("s")   # what eviction does
+    files.free()
+    assert shared.uploader.waiting() == 0
+    assert stored_generation(shared.bucket, "s") is not None
+    shared.close()

@@ -227,9 +227,13 @@ class ChunkedFiles(FolderFiles):
 
     # -- delete and free -------------------------------------------------------------
     def delete(self, stem: str) -> bool:
+        """Delete a session (the admin API; eviction deletes through the budget and keeps the
+        shared store's copy): here, and in the shared store."""
         removed = super().delete(stem)
         if removed:
             self.free()
+            if self.shared is not None:
+                self.shared.deleted(self, stem)
         return removed
 
     def usage(self) -> tuple[int, dict[str, int]]:

@@ -81,7 +81,7 @@ def fetch(bucket: Bucket, files, stem: str, deadline_seconds: float = 30.0) -> F
         _put_in_place(files, stem, stored)
     problem = files.check(stem)[1]
     if problem:
-        files.delete(stem)
+        files.store.delete(stem)   # here only: the stored copy is not this node's to delete
         raise StoreError(f"the stored session {stem} does not match its chunks: {problem}")
     return Fetched(FOUND, chunks, size + len(found[0]), time.monotonic() - started)
 

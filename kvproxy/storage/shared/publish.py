@@ -18,7 +18,7 @@ from kvproxy.storage.shared import session_object
 from kvproxy.storage.shared.bucket import Bucket
 from kvproxy.storage.shared.location import user_of
 
-WRITTEN, NEWER_THERE, GONE = "written", "newer there", "gone"
+WRITTEN, NEWER_THERE, GONE, DELETED = "written", "newer there", "gone", "deleted"
 REPLACE_TRIES = 3           # conditional writes lost to another node before giving up for now
 KNOWN_CHUNKS = 65536        # chunk keys remembered as in the bucket
 
@@ -110,3 +110,10 @@ def publish(bucket: Bucket, files, stem: str, known: KnownChunks | None = None) 
             return Published(WRITTEN, written, written_bytes, len(body))
     raise StoreError(f"session {stem} was written by other nodes {REPLACE_TRIES} times while "
                      "this one wrote it; trying again later")
+
+
+def unpublish(bucket: Bucket, stem: str) -> Published:
+    """A conversation deleted on this node: its session object goes from the bucket, so no
+    node fetches it again (its chunks stay until a sweep of the bucket frees them)."""
+    bucket.delete(bucket.location.session(user_of(stem), stem))
+    return Published(DELETED)

@@ -43,6 +43,10 @@ class SharedStore:
         """A save of ``stem`` was packed in ``files``' slot folder."""
         self.uploader.saved(files, stem)
 
+    def deleted(self, files, stem: str) -> None:
+        """``stem`` was deleted from ``files``' slot folder through the admin API."""
+        self.uploader.deleted(files, stem)
+
     def fetch(self, files, stem: str) -> bool:
         """Fetch on miss: whether ``stem`` is now in ``files``' slot folder. A failure is
         one log line, and the caller computes the prompt instead."""

@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from kvproxy.errors import StoreError
 from kvproxy.storage.shared import publish as publishing
@@ -24,6 +25,14 @@ log = logging.getLogger("kvproxy.store")
 
 FIRST_BACKOFF = 0.5
 MAX_BACKOFF = 30.0
+
+
+@dataclass(frozen=True)
+class Deletion:
+    """A queue entry: the conversation was deleted here (the admin API), so its session
+    object goes from the bucket too."""
+
+    files: object
 
 
 def next_backoff(current: float) -> float:
@@ -38,7 +47,8 @@ class Uploader:
         self.bucket = bucket
         self.limit = limit
         self.known = publishing.KnownChunks()
-        self._pending: OrderedDict[str, object] = OrderedDict()   # stem -> its ChunkedFiles
+        # stem -> its ChunkedFiles (upload its newest save), or a Deletion
+        self._pending: OrderedDict[str, object] = OrderedDict()
         self._busy: str | None = None
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -49,6 +59,14 @@ class Uploader:
     # -- the request side: never waits on the store -------------------------------------
     def saved(self, files, stem: str) -> None:
         """``stem`` was packed in ``files``' slot folder: upload its newest save soon."""
+        self._queue(stem, files)
+
+    def deleted(self, files, stem: str) -> None:
+        """``stem`` was deleted from ``files``' slot folder: delete it from the bucket soon
+        (in place of an upload of it still waiting)."""
+        self._queue(stem, Deletion(files))
+
+    def _queue(self, stem: str, job) -> None:
         with self._cond:
             if stem not in self._pending and len(self._pending) >= self.limit:
                 oldest, _ = self._pending.popitem(last=False)
@@ -56,7 +74,7 @@ class Uploader:
                 metrics.STORE_UPLOADS_DROPPED.inc()
                 log.warning("upload queue full (%d): dropped the waiting upload of %s (its "
                             "local copy stays; KVPROXY_STORE_QUEUE)", self.limit, oldest)
-            self._pending[stem] = files
+            self._pending[stem] = job
             metrics.STORE_UPLOAD_QUEUE.set(len(self._pending))
             self._start()
             self._cond.notify()
@@ -119,7 +137,8 @@ class Uploader:
             stem, files = job
             try:
                 started = time.monotonic()
-                done = publishing.publish(self.bucket, files, stem, self.known)
+                done = publishing.unpublish(self.bucket, stem) if isinstance(files, Deletion) \
+                    else publishing.publish(self.bucket, files, stem, self.known)
                 metrics.observe_upload(done.outcome, done.chunk_bytes, done.session_bytes,
                                        time.monotonic() - started)
                 if done.outcome == publishing.NEWER_THERE:
