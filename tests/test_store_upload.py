@@ -184,3 +184,18 @@ def test_an_eviction_keeps_the_stored_copy(store_url, tmp_path):
     assert shared.uploader.waiting() == 0
     assert stored_generation(shared.bucket, "s") is not None
     shared.close()
+
+
+def test_at_exit_the_waiting_uploads_go(store_url, tmp_path):
+    shared = SharedStore(Bucket(StoreLocation.parse(store_url), 5))
+    save_chunked(chunked(tmp_path, shared), "s", TOKENS)
+    assert shared.drain(30) and stored_generation(shared.bucket, "s") is not None
+
+
+def test_at_exit_a_store_that_is_down_is_waited_for_within_a_bound(dead_store, tmp_path,
+                                                                     caplog):
+    save_chunked(chunked(tmp_path, dead_store), "s", TOKENS)
+    started = time.monotonic()
+    assert not dead_store.drain(0.5)
+    assert time.monotonic() - started < 5
+    assert "did not reach the shared store before exit" in caplog.text

@@ -68,5 +68,15 @@ class SharedStore:
     def problem(self) -> str | None:
         return self.uploader.problem()
 
+    def drain(self, timeout: float) -> bool:
+        """At exit: wait up to ``timeout`` seconds for the waiting uploads, then stop; whether
+        all went (else one log line: their local copies stay, unuploaded)."""
+        done = self.uploader.wait_idle(timeout)
+        if not done:
+            log.warning("%d upload(s) did not reach the shared store before exit; their local "
+                        "copies stay", self.uploader.waiting())
+        self.close(1)
+        return done
+
     def close(self, timeout: float = 5) -> None:
         self.uploader.close(timeout)
