@@ -108,3 +108,16 @@ def test_a_fetch_past_its_deadline_is_computed_instead(nodes, caplog):
         assert not two.fetch(ALICE.stem)
     assert not two.has(ALICE.stem)
     assert "KVPROXY_STORE_FETCH_SECONDS" in caplog.text
+
+
+def test_a_stored_chunk_of_the_wrong_size_never_reaches_the_folder(nodes, caplog):
+    one, two, shared = nodes
+    save_chunked(one, ALICE.stem, TOKENS)
+    publish(shared.bucket, one, ALICE.stem)
+    key = manifest.read_keys(one.store.chunked_path(ALICE.stem))[1]
+    name = shared.bucket.location.chunk(user_of(ALICE.stem), key)
+    shared.bucket.put(name, b"short")
+    with caplog.at_level(logging.WARNING, logger="kvproxy.store"):
+        assert not two.fetch(ALICE.stem)
+    assert not two.chunks.has(key) and not two.has(ALICE.stem)
+    assert "has 5 bytes" in caplog.text

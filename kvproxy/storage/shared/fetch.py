@@ -53,23 +53,27 @@ def fetch(bucket: Bucket, files, stem: str, deadline_seconds: float = 30.0) -> F
         return Fetched(MISSING)
     try:
         stored = session_object.decode(found[0])
-        keys = tuple(manifest.meta_of(stored.manifest).get("keys") or ())
+        named, _ = manifest.parse(stored.manifest)
     except ValueError as exc:
         raise StoreError(f"the stored session {stem} cannot be read: {exc}") from None
     if stored.stem != stem:
         raise StoreError(f"the stored session {stem} names another session")
     chunks, size = 0, 0
     with files.naming_chunks(timeout=_left(deadline)):
-        missing = [key for key in dict.fromkeys(keys) if not files.chunks.has(key)]
+        missing = [key for key in dict.fromkeys(named.keys) if not files.chunks.has(key)]
         with concurrent.futures.ThreadPoolExecutor(WORKERS, "kvproxy-store-fetch") as pool:
             pending = {pool.submit(bucket.get, where.chunk(user, key)): key for key in missing}
             try:
                 for done in concurrent.futures.as_completed(pending, timeout=_left(deadline)):
                     body = done.result()
+                    key = pending[done]
                     if body is None:
-                        raise StoreError(f"the stored session {stem} names chunk "
-                                         f"{pending[done][:12]}, which the store lacks")
-                    files.chunks.put(pending[done], [body[0]])
+                        raise StoreError(f"the stored session {stem} names chunk {key[:12]}, "
+                                         "which the store lacks")
+                    if len(body[0]) != named.chunk_bytes:   # never let it into the folder
+                        raise StoreError(f"the stored chunk {key[:12]} has {len(body[0])} bytes, "
+                                         f"not {named.chunk_bytes}")
+                    files.chunks.put(key, [body[0]])
                     chunks, size = chunks + 1, size + len(body[0])
             except concurrent.futures.TimeoutError:
                 raise StoreError("the fetch took longer than KVPROXY_STORE_FETCH_SECONDS") \
