@@ -28,6 +28,7 @@ def chat(stack: Stack, key: str, session: str, messages: list[dict]):
         model="m", messages=messages, max_tokens=8, temperature=0,
         extra_headers={"X-Session-Id": session})
     reply = raw.parse()
+    chat.fetched = raw.headers.get("x-kvproxy-fetched")
     return (raw.headers["x-kvproxy-cache"], reply.usage.prompt_tokens_details.cached_tokens,
             reply.usage.prompt_tokens, reply.choices[0].message.content)
 
@@ -69,8 +70,13 @@ def test_a_conversation_saved_on_a_lost_node_resumes_from_the_store_on_another(
                   {"role": "user", "content": "And the second rule, in a word?"}]
         other, other_cached, _, _ = chat(second, BOB, "resume-1", follow)
         assert other != "restored" and other_cached < 64, "nothing of another user's"
+        assert chat.fetched is None
         cache, cached, total, _ = chat(second, ALICE, "resume-1", follow)
         assert cache == "restored" and cached >= 0.9 * total, (cache, cached, total)
+        assert chat.fetched and chat.fetched.startswith("store; ms="), chat.fetched
+        cache, _, _, _ = chat(second, ALICE, "resume-1", follow + [
+            {"role": "assistant", "content": "Noted."}, {"role": "user", "content": "Thanks."}])
+        assert cache == "hit" and chat.fetched is None, "only the turn that fetched says so"
         log = second.proxy_log()
         assert "fetched " in log and "from the shared store" in log
     finally:

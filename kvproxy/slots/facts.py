@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 from kvproxy.sessions.identity import Session, base_stem
 from kvproxy.slots import plan
@@ -86,10 +87,14 @@ class SlotFacts:
     def file_facts(self, stem: str, fetch: bool = False) -> FileFacts:
         """What the folder holds of ``stem``; with ``fetch``, a file it lacks is first looked
         up in the shared store (fetch on miss)."""
-        if not self.files.has(stem) and not (fetch and self.files.fetch(stem)):
-            return FileFacts(stem)
+        fetched_ms = None
+        if not self.files.has(stem):
+            started = time.monotonic()
+            if not (fetch and self.files.fetch(stem)):
+                return FileFacts(stem)
+            fetched_ms = (time.monotonic() - started) * 1000
         sidecar, problem = self.files.check(stem)
-        return FileFacts(stem, True, sidecar, problem)
+        return FileFacts(stem, True, sidecar, problem, fetched_ms)
 
     def swap_facts(self, slot: int, state: SlotState, session: Session, view: str,
                    made_by: dict, restoring_off: bool, base_snapshots: bool,
