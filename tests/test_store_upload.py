@@ -9,6 +9,7 @@ import time
 import pytest
 
 from kvproxy import create_app
+from kvproxy.ops import startup
 from kvproxy.launch.processes import free_port
 from kvproxy.sessions.identity import Session
 from kvproxy.storage.chunks.files import ChunkedFiles
@@ -17,7 +18,7 @@ from kvproxy.storage.shared.bucket import Bucket
 from kvproxy.storage.shared.location import StoreLocation, user_of
 from kvproxy.storage.shared.store import SharedStore
 from kvproxy.storage.shared import uploader as uploader_module
-from kvproxy.storage.shared.publish import GONE, Published
+from kvproxy.storage.shared.publish import GONE, Published, publish
 from kvproxy.storage.shared.uploader import MAX_BACKOFF, next_backoff
 from kvproxy.storage.store import SessionStore
 from tests.fake_llama import UPSTREAM
@@ -199,3 +200,34 @@ def test_at_exit_a_store_that_is_down_is_waited_for_within_a_bound(dead_store, t
     assert not dead_store.drain(0.5)
     assert time.monotonic() - started < 5
     assert "did not reach the shared store before exit" in caplog.text
+
+
+def test_at_start_up_saves_the_bucket_lacks_are_caught_up_and_the_rest_only_checked(
+        store_url, tmp_path):
+    local = ChunkedFiles(SessionStore(tmp_path), chunk_tokens=C)   # before the store was set
+    save_chunked(local, "a", TOKENS)
+    save_chunked(local, "b", TOKENS + list(range(16)))
+    shared = SharedStore(Bucket(StoreLocation.parse(store_url), 5))
+    publish_first = chunked(tmp_path, shared)
+    publish(shared.bucket, publish_first, "a")                     # already up
+    already = metric("kvproxy_store_uploads_total", outcome="already there")
+    chunk_bytes = metric("kvproxy_store_upload_bytes_total", kind="chunk")
+    assert shared.catch_up(local) == 0, "files that do not copy to this store are left alone"
+    assert shared.catch_up(publish_first) == 2
+    assert shared.uploader.wait_idle(30)
+    assert stored_generation(shared.bucket, "b") is not None
+    assert metric("kvproxy_store_uploads_total", outcome="already there") - already == 1
+    chunk = publish_first.chunks.size(next(iter(publish_first.named()["b"])))
+    assert metric("kvproxy_store_upload_bytes_total", kind="chunk") - chunk_bytes == chunk, \
+        "only b's one new chunk"
+    shared.close()
+
+
+def test_the_start_up_check_has_the_shared_store_catch_up(tmp_path, fake, monkeypatch):
+    app = create_app({"slot_dir": str(tmp_path), "upstream": UPSTREAM,
+                      "store_url": "s3://kv-store/p"})
+    shared = app.extensions["kvproxy.shared_store"]
+    seen = []
+    monkeypatch.setattr(shared, "catch_up", seen.append)
+    startup.check_at_start(app)
+    assert seen == [app.extensions["kvproxy.switch"].files]

@@ -95,8 +95,8 @@ def observe_chunked_save(written: int, logical: int) -> None:
 
 # -- the shared session store (KVPROXY_STORE_URL) ------------------------------------------
 STORE_UPLOADS = Counter("kvproxy_store_uploads_total",
-                        "Saved sessions the uploader handled, by outcome (written; newer there: "
-                        "another node's later save was kept; gone: replaced or deleted locally "
+                        "Saved sessions the uploader handled, by outcome (written; already there; "
+                        "newer there: another node's later save was kept; gone: replaced or deleted locally "
                         "before its turn; deleted: deleted here, so from the bucket too)",
                         ["outcome"], registry=REGISTRY)
 STORE_UPLOAD_BYTES = Counter("kvproxy_store_upload_bytes_total",

@@ -19,6 +19,7 @@ from kvproxy.storage.shared.bucket import Bucket
 from kvproxy.storage.shared.location import user_of
 
 WRITTEN, NEWER_THERE, GONE, DELETED = "written", "newer there", "gone", "deleted"
+ALREADY_THERE = "already there"
 REPLACE_TRIES = 3           # conditional writes lost to another node before giving up for now
 KNOWN_CHUNKS = 65536        # chunk keys remembered as in the bucket
 
@@ -85,6 +86,10 @@ def publish(bucket: Bucket, files, stem: str, known: KnownChunks | None = None) 
     except ValueError:
         return Published(GONE)
     user, where = user_of(stem), bucket.location
+    head = bucket.head(where.session(user, stem))   # this save, or a later one, is there
+    theirs = session_object.generation_in(head.metadata) if head else None
+    if theirs is not None and not session_object.replaces(saved.generation, theirs):
+        return Published(ALREADY_THERE if theirs == saved.generation else NEWER_THERE)
     written = written_bytes = 0
     for key in keys:
         name = where.chunk(user, key)

@@ -11,6 +11,7 @@ import logging
 import time
 
 from kvproxy.errors import StorageError, StoreError
+from kvproxy.storage.chunks import manifest
 from kvproxy.storage.shared import fetch as fetching
 from kvproxy.storage.shared.bucket import Bucket
 from kvproxy.storage.shared.location import StoreLocation
@@ -42,6 +43,22 @@ class SharedStore:
     def saved(self, files, stem: str) -> None:
         """A save of ``stem`` was packed in ``files``' slot folder."""
         self.uploader.saved(files, stem)
+
+    def catch_up(self, files) -> int:
+        """At start-up: have every session saved as chunks in ``files``' slot folder checked
+        against the bucket in the background (newest first); how many (none when those files
+        do not copy to this store: KVPROXY_SESSION_STORE=files)."""
+        if getattr(files, "shared", None) is not self:
+            return 0
+        paths = sorted(files.store.root.glob(f"*{manifest.SUFFIX}"),
+                       key=lambda path: path.stat().st_mtime if path.exists() else 0,
+                       reverse=True)
+        stems = [path.name[:-len(manifest.SUFFIX)] for path in paths]
+        if stems:
+            log.info("checking %d saved session(s) against the shared store %s in the "
+                     "background", len(stems), self.url)
+            self.uploader.catch_up(files, stems)
+        return len(stems)
 
     def deleted(self, files, stem: str) -> None:
         """``stem`` was deleted from ``files``' slot folder through the admin API."""

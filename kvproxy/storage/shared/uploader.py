@@ -55,6 +55,8 @@ class Uploader:
         self._thread: threading.Thread | None = None
         self._problem: str | None = None
         self.dropped = 0
+        # Sessions saved before this process started, checked when nothing else waits.
+        self._catch_up: list[tuple[str, object]] = []
 
     # -- the request side: never waits on the store -------------------------------------
     def saved(self, files, stem: str) -> None:
@@ -65,6 +67,15 @@ class Uploader:
         """``stem`` was deleted from ``files``' slot folder: delete it from the bucket soon
         (in place of an upload of it still waiting)."""
         self._queue(stem, Deletion(files))
+
+    def catch_up(self, files, stems: list[str]) -> None:
+        """``stems`` were saved in ``files``' slot folder before this process started (some
+        perhaps never uploaded: a crash, a store outage): upload each the bucket lacks a save
+        as new of, one at a time, whenever no newer save waits."""
+        with self._cond:
+            self._catch_up.extend((stem, files) for stem in reversed(stems))
+            self._start()
+            self._cond.notify()
 
     def _queue(self, stem: str, job) -> None:
         with self._cond:
@@ -95,14 +106,15 @@ class Uploader:
             return f"{self._problem} ({len(self._pending)} upload(s) waiting)"
 
     def waiting(self) -> int:
+        """Uploads waiting or under way, catch-up included."""
         with self._cond:
-            return len(self._pending) + (1 if self._busy else 0)
+            return len(self._pending) + len(self._catch_up) + (1 if self._busy else 0)
 
     def wait_idle(self, timeout: float) -> bool:
         """Whether every queued upload was done within ``timeout`` seconds (tests, shutdown)."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._pending or self._busy:
+            while self._pending or self._catch_up or self._busy:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -119,11 +131,14 @@ class Uploader:
     # -- the thread ------------------------------------------------------------------
     def _take(self) -> tuple[str, object] | None:
         with self._cond:
-            while not self._pending and not self._stop.is_set():
+            while not self._pending and not self._catch_up and not self._stop.is_set():
                 self._cond.wait(1.0)
             if self._stop.is_set():
                 return None
-            stem, files = self._pending.popitem(last=False)
+            if self._pending:
+                stem, files = self._pending.popitem(last=False)
+            else:
+                stem, files = self._catch_up.pop()
             self._busy = stem
             metrics.STORE_UPLOAD_QUEUE.set(len(self._pending))
             return stem, files
