@@ -16,7 +16,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kvproxy.errors import StoreError
+from kvproxy.errors import StorageError, StoreError
 from kvproxy.storage.shared import publish as publishing
 from kvproxy.storage.shared.bucket import Bucket
 from kvproxy.telemetry import metrics
@@ -160,7 +160,7 @@ class Uploader:
                     log.info("did not upload %s: the store holds a later save of it", stem)
                 backoff = 0.0
                 self._settle(stem, None)
-            except StoreError as exc:
+            except (StoreError, StorageError) as exc:   # the store, or the slot folder's lock
                 backoff = next_backoff(backoff)
                 metrics.STORE_UPLOAD_FAILURES.inc()
                 log.warning("upload of %s to the shared store failed, trying again in %.1f s: "
