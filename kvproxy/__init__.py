@@ -9,7 +9,7 @@ from flask import Flask
 from flask_smorest import Api, Blueprint as ApiBlueprint
 
 from kvproxy import routes
-from kvproxy.assemble import build_switch, llama_client
+from kvproxy.assemble import build_switch, llama_client, shared_store
 from kvproxy.config import Settings, check_slot_dir, load_settings
 from kvproxy.ops.startup import Contract
 from kvproxy.slots.models import ModelSwitches
@@ -46,12 +46,15 @@ def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
     check_slot_dir(settings.slot_dir)
     client = llama_client(settings)
 
+    shared = shared_store(settings)   # one per process, for every model's switch
+
     def make_switch(client: LlamaClient, store: SessionStore) -> SlotSwitch:
-        return build_switch(settings, client, store)
+        return build_switch(settings, client, store, shared)
     switch = make_switch(client, SessionStore(settings.slot_dir))
     models = ModelSwitches(client, switch, make_switch)
     app.extensions["kvproxy.switch"] = switch
     app.extensions["kvproxy.models"] = models
+    app.extensions["kvproxy.shared_store"] = shared
     # Its own client: the probe must not count as the last slot call of the switch's client,
     # whose open connection vouches for what the slot holds.
     app.extensions["kvproxy.contract"] = Contract(llama_client(settings), switch)

@@ -6,8 +6,11 @@ ops/ from importing the app factory, which imports ops/ for its routes.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from kvproxy.config import Settings
 from kvproxy.slots.switch import SlotSwitch, SwitchSettings
+from kvproxy.storage.shared.store import SharedStore
 from kvproxy.storage.store import SessionStore
 from kvproxy.upstream.llama import LlamaClient
 
@@ -18,6 +21,14 @@ def llama_client(settings: Settings) -> LlamaClient:
                        settings.slot_action_timeout, api_key=settings.upstream_api_key)
 
 
-def build_switch(settings: Settings, client: LlamaClient, store: SessionStore) -> SlotSwitch:
-    """The slot switch the settings describe (the app's, and ``kvproxy doctor``'s)."""
-    return SlotSwitch(client, store, settings=SwitchSettings.of(settings))
+def shared_store(settings: Settings) -> SharedStore | None:
+    """The shared store ``KVPROXY_STORE_URL`` names, None when it is off."""
+    return SharedStore.of(settings)
+
+
+def build_switch(settings: Settings, client: LlamaClient, store: SessionStore,
+                 shared: SharedStore | None = None) -> SlotSwitch:
+    """The slot switch the settings describe (the app's, and ``kvproxy doctor``'s, which
+    uploads nothing: no ``shared``)."""
+    return SlotSwitch(client, store, settings=dataclasses.replace(SwitchSettings.of(settings),
+                                                                  shared=shared))

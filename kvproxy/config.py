@@ -147,6 +147,16 @@ def _api_keys_file(value: str) -> dict[str, str]:
     return _add_keys(pairs)
 
 
+def _store_url(value: str) -> str:
+    """``s3://<bucket>/<prefix>`` (the prefix optional), or empty: no shared store. Endpoint
+    and credentials are boto3's to find, never part of the URL."""
+    value = value.strip()
+    if not value:
+        return ""
+    from kvproxy.storage.shared.location import StoreLocation
+    return StoreLocation.parse(value).url
+
+
 def _log_level(value: str) -> str:
     return _choice("DEBUG", "INFO", "WARNING", "ERROR")(value.upper())
 
@@ -263,6 +273,25 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("chunk_tokens", "256", _number(16, 65536, whole=True),
             "Tokens per stored chunk with KVPROXY_SESSION_STORE=chunks (the field's default; "
             "docs/benchmark.md has the measurement). Chunks of another size are not shared."),
+    Setting("store_url", "", _store_url,
+            "The shared session store: s3://<bucket>/<prefix> of an S3 bucket (SeaweedFS, MinIO, "
+            "Ceph RGW, AWS S3) that every node's saved conversations are copied to in the "
+            "background, each user's under a prefix of their own; empty: off. The endpoint and "
+            "credentials come from boto3's own settings (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, "
+            "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, instance roles), never from this URL. See "
+            "docs/shared-store.md."),
+    Setting("store_timeout", "10", _timeout,
+            "Seconds to connect to the shared store, and seconds it may stay silent during one "
+            "call; each call is tried at most 3 times."),
+    Setting("store_queue", "256", _number(1, 1e6, whole=True),
+            "Conversations whose newest save waits for its upload to the shared store (one entry "
+            "per conversation: a newer save replaces the waiting one). Past it the oldest "
+            "waiting upload is dropped and counted (kvproxy_store_uploads_dropped_total); the "
+            "local copy is kept."),
+    Setting("store_fetch_seconds", "30", _timeout,
+            "Longest a conversation missing from the slot folder may take to come from the "
+            "shared store (its session, then its chunks, several at once); past it, or when the "
+            "fetch fails, its prompt is computed, with one log line."),
     Setting("max_disk_gb", "100", _gigabytes,
             "Upper bound on the slot folder's size; before a save the least recently used slot files "
             "are deleted to keep it (0: no bound)."),
@@ -328,6 +357,9 @@ PROCESS_SETTINGS: tuple[Setting, ...] = (
 )
 
 SECRETS = ("admin_token", "api_keys", "api_keys_file", "upstream_api_key")
+# Settings whose refused value is not repeated in the error: the keys, and a store URL that
+# may carry the credentials someone put there by mistake.
+NOT_ECHOED = tuple(s for s in SECRETS if s != "api_keys_file") + ("store_url",)
 
 # Process settings the app reads too, through its Settings like every other: behind a
 # proxy gunicorn trusts, the client's address is the one that proxy forwards
@@ -381,8 +413,7 @@ def _load(table: tuple[Setting, ...], environ: Mapping[str, str] | None,
         try:
             values[setting.name] = setting.parse(raw)
         except (ValueError, re.error) as exc:
-            shown = "(hidden)" if setting.name in SECRETS and setting.name != "api_keys_file" \
-                else repr(raw)  # a key must not reach a log
+            shown = "(hidden)" if setting.name in NOT_ECHOED else repr(raw)  # nor a key a log
             raise ConfigError(f"{setting.env}={shown} is invalid: {exc}") from None
     if overrides:
         raise ConfigError("unknown settings: " + ", ".join(sorted(overrides)))

@@ -111,6 +111,21 @@ class StateFormatError(StorageError):
         return f"kvproxy cannot read its state file: {self}"
 
 
+# -- the shared session store (kvproxy.storage.shared) ---------------------------
+class StoreError(KvproxyError):
+    """The shared session store (KVPROXY_STORE_URL) did not do what was asked. It never fails
+    a client's request (uploads run behind; a failed fetch becomes a prefill), and its message
+    names no credential: it is built from the error's code, never from the store's text."""
+
+    status = 503
+    retry_after = 30
+
+
+class StoreUnavailable(StoreError):
+    """The store could not be reached, did not answer in time or answered 5xx: worth trying
+    again later."""
+
+
 # -- the slots (kvproxy.slots.lock, kvproxy.slots.state) -----------------------
 class InvalidTransition(KvproxyError):
     """A slot was asked to move between phases that cannot follow each other: a bug."""

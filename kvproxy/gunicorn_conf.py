@@ -63,6 +63,10 @@ def post_worker_init(worker):
     signal.signal(signal.SIGTERM, on_term)
 
 
+# Seconds the exit waits for uploads to the shared store (their local copies stay regardless).
+EXIT_UPLOAD_SECONDS = 10.0
+
+
 def worker_exit(server, worker):
     """Save the session every slot holds, so restarting both processes loses nothing."""
     app = getattr(worker, "wsgi", None)
@@ -70,3 +74,6 @@ def worker_exit(server, worker):
     models = getattr(app, "extensions", {}).get("kvproxy.models") if app else None
     for switch in (models.switches() if models is not None else []):
         switch.checkpoint()
+    shared = getattr(app, "extensions", {}).get("kvproxy.shared_store") if app else None
+    if shared is not None:   # those saves, and any still waiting, go to the store too
+        shared.drain(EXIT_UPLOAD_SECONDS)

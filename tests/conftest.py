@@ -96,6 +96,30 @@ def long_text(n_words: int, seed: int) -> str:
     return f"Project {seed} handbook. " + " ".join(sentences)
 
 
+@pytest.fixture(scope="session")
+def weed(tmp_path_factory):
+    """One real SeaweedFS (``weed mini``, tests/seaweed.py) for the whole run, stopped at its
+    end; each test takes a bucket of its own (``store_url``)."""
+    from tests.seaweed import MISSING, WeedMini, weed_binary
+    if weed_binary() is None:
+        pytest.skip(MISSING)
+    tmp = tmp_path_factory.mktemp("weed")
+    server = WeedMini(tmp / "data", tmp / "weed.log").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def store_url(weed, monkeypatch) -> str:
+    """``KVPROXY_STORE_URL`` of a fresh bucket on the run's SeaweedFS, with boto3's own
+    variables (endpoint, key) pointing at it as an operator would set them."""
+    for name, value in weed.env().items():
+        monkeypatch.setenv(name, value)
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_REGION"):
+        monkeypatch.delenv(name, raising=False)
+    return f"s3://{weed.new_bucket()}/kv"
+
+
 @pytest.fixture
 def http():
     with requests.Session() as session:

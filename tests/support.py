@@ -110,3 +110,24 @@ def saved_stems(slot_dir) -> set[str]:
     (temporary and assembled files left out)."""
     return {stem_of(p.name) for suffix in SAVED_SUFFIXES for p in slot_dir.glob(f"*{suffix}")
             if not p.name.endswith((".saving.bin", ".restoring.bin")) and not p.name.startswith(".")}
+
+
+CHUNK_MADE_BY = {"model_path": "/m.gguf", "n_ctx": 4096, "build_info": "b1"}
+
+
+def save_chunked(files, stem: str, tokens: list[int], saved_at: str = "2026-12-06T00:00:00.000+00:00"
+                 ) -> dict:
+    """Save a slot file of ``tokens`` (tests/slot_files.py) as ``stem`` through ``files`` (a
+    ``ChunkedFiles``), as a swap's save does: it is packed into chunks and a manifest."""
+    from tests.slot_files import slot_file
+    data = slot_file(tokens)
+
+    def write(name: str) -> dict:
+        (files.store.root / name).write_bytes(data)
+        return {"n_saved": len(tokens), "n_written": len(data)}
+
+    def describe(answer: dict, size: int) -> dict:
+        return {"format": 3, "saved_at": saved_at, "saved_bytes": size,
+                "n_bytes": answer["n_written"], "made_by": CHUNK_MADE_BY, "session_id": stem,
+                "kind": "session", "n_tokens": len(tokens), "stem": stem}
+    return files.save(stem, write, describe)

@@ -306,3 +306,15 @@ def test_static_page_weight_is_small():
     weight = sum(p.stat().st_size for p in STATIC.glob("status.*"))
     print(f"\nstatus page assets: {weight / 1024:.1f} KiB (CSS and JS, uncompressed)")
     assert weight < 64 * 1024, "the page is meant to stay small: no bundled libraries"
+
+
+def test_status_shows_the_shared_store_when_it_is_on(fake_app, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "status-secret-0123456789")
+    app, _ = fake_app()
+    assert app.test_client().get("/api/status").get_json()["store"] is None
+    app, _ = fake_app(store_url="s3://kv-store/p")
+    response = app.test_client().get("/api/status")
+    store = response.get_json()["store"]
+    assert store["url"] == "s3://kv-store/p" and store["waiting"] == 0 and store["problem"] is None
+    assert {"uploaded", "uploaded_bytes", "dropped", "fetched", "fetch_failures"} <= set(store)
+    assert "status-secret-0123456789" not in response.get_data(as_text=True)

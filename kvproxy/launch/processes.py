@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import requests
 
@@ -67,17 +68,27 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_until_healthy(url: str, timeout: float, process: subprocess.Popen | None = None) -> None:
-    """Poll GET url until it answers 200; raise if the process dies or time runs out."""
+def answers_200(url: str) -> Callable[[], bool]:
+    """Whether GET ``url`` answers 200 now (a readiness check for ``wait_until_healthy``)."""
+    def ready() -> bool:
+        try:
+            return requests.get(url, timeout=2).status_code == 200
+        except requests.RequestException:
+            return False
+    return ready
+
+
+def wait_until_healthy(url: str, timeout: float, process: subprocess.Popen | None = None,
+                       ready: Callable[[], bool] | None = None) -> None:
+    """Poll GET url until it answers 200 (or ``ready()`` until it is true); raise if the
+    process dies or time runs out."""
+    ready = ready or answers_200(url)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
             raise RuntimeError(f"process exited with code {process.returncode} before {url} answered")
-        try:
-            if requests.get(url, timeout=2).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
+        if ready():
+            return
         time.sleep(0.2)
     raise TimeoutError(f"{url} did not answer within {timeout:.0f} s")
 
@@ -161,10 +172,11 @@ def stop_process(process: subprocess.Popen | None, timeout: float) -> None:
 
 
 def start_process(command: list[str], log_path: str | None, health_url: str, timeout: float,
-                  die_with_parent: bool = False, **kwargs) -> subprocess.Popen:
+                  die_with_parent: bool = False, ready: Callable[[], bool] | None = None,
+                  **kwargs) -> subprocess.Popen:
     """Start a child in its own process group (output appended to ``log_path``) and wait
-    until ``health_url`` answers; a child that does not come up is stopped. With
-    ``die_with_parent`` the child gets SIGTERM when this process dies (Linux)."""
+    until ``health_url`` answers (or ``ready()`` is true); a child that does not come up is
+    stopped. With ``die_with_parent`` the child gets SIGTERM when this process dies (Linux)."""
     log = open(log_path, "ab") if log_path else None
     if die_with_parent:
         kwargs["preexec_fn"] = _die_with_parent
@@ -175,7 +187,7 @@ def start_process(command: list[str], log_path: str | None, health_url: str, tim
         if log:
             log.close()  # the child keeps its own descriptor
     try:
-        wait_until_healthy(health_url, timeout, process)
+        wait_until_healthy(health_url, timeout, process, ready)
     except BaseException:
         stop_process(process, 15)
         raise

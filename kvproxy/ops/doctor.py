@@ -110,6 +110,12 @@ def local_flags(upstream: str, proc: Path = Path("/proc")) -> Flags | None:
 
 # -- the checks ----------------------------------------------------------------------------------
 def diagnose(settings: Settings, flags: Flags | None, wait: float = 10) -> list[Check]:
+    """Every check: the llama-server at ``settings.upstream``, then the shared store when
+    ``KVPROXY_STORE_URL`` names one."""
+    return llama_checks(settings, flags, wait) + shared_store(settings)
+
+
+def llama_checks(settings: Settings, flags: Flags | None, wait: float = 10) -> list[Check]:
     """Every check against the llama-server at ``settings.upstream``, in order."""
     url = settings.upstream
     client = LlamaClient(url, settings.connect_timeout, min(settings.read_timeout, 120),
@@ -348,6 +354,29 @@ def sleep(props: dict, flags: Flags | None) -> list[Check]:
         return [Check(OK, "sleep mode", "llama-server is awake (whether it sleeps when idle "
                                         "cannot be read from here)")]
     return [Check(OK, "sleep mode", "llama-server does not sleep when idle")]
+
+
+STORE_FIXES = {
+    "store": "start the store, or fix KVPROXY_STORE_URL, AWS_ENDPOINT_URL and the credentials "
+             "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY or AWS_PROFILE); until then kvproxy serves "
+             "from its slot folder and uploads wait",
+    "store writes": "give kvproxy's key the right to put, get and delete objects under the "
+                    "store URL's prefix",
+    "store conditions": "use an S3 store that honours conditional PUTs (SeaweedFS, MinIO, "
+                        "AWS S3), or leave KVPROXY_STORE_URL empty"}
+
+
+def shared_store(settings: Settings) -> list[Check]:
+    """The bucket of ``KVPROXY_STORE_URL``: reachable, writable, conditional PUTs honoured
+    (none when the setting is empty)."""
+    if not getattr(settings, "store_url", ""):
+        return []
+    from kvproxy.storage.shared.bucket import Bucket
+    from kvproxy.storage.shared.location import StoreLocation
+    from kvproxy.storage.shared.probe import probe
+    bucket = Bucket(StoreLocation.parse(settings.store_url), min(settings.store_timeout, 10))
+    return [Check(OK, f.name, f.text) if f.ok else
+            Check(FAIL, f.name, f"{f.text}: {STORE_FIXES[f.name]}") for f in probe(bucket)]
 
 
 def exit_status(checks: list[Check]) -> int:

@@ -27,7 +27,9 @@ def health() -> Response:
     """200 with llama-server's state when it answers, 503 otherwise, or while the start-up
     check finds that kvproxy and llama-server disagree (the reason is in ``error``). A
     problem with the slot folder's disk (a save dropped lately, less free space than the
-    floor) is ``status: degraded`` with the reason in ``disk``, still 200."""
+    floor) is ``status: degraded`` with the reason in ``disk``, still 200; so is a shared
+    store that cannot be written (the reason in ``store``: sessions are still served from the
+    slot folder, and their uploads wait)."""
     client = current_app.extensions["kvproxy.relay"].client
     try:
         upstream = client.health()
@@ -46,10 +48,13 @@ def health() -> Response:
     # A disk problem degrades kvproxy (sessions are computed afresh), it does not stop it:
     # still 200, so a balancer keeps sending it traffic.
     disk_problem = current_app.extensions["kvproxy.switch"].budget.problem()
-    return jsonify({"status": "degraded" if disk_problem else "ok", "upstream": client.base_url,
-                    "llama_server": upstream,
+    shared = current_app.extensions.get("kvproxy.shared_store")
+    store_problem = shared.problem() if shared is not None else None
+    return jsonify({"status": "degraded" if disk_problem or store_problem else "ok",
+                    "upstream": client.base_url, "llama_server": upstream,
                     "startup_check": "passed" if contract.passed else "pending",
-                    **({"disk": disk_problem} if disk_problem else {})})
+                    **({"disk": disk_problem} if disk_problem else {}),
+                    **({"store": store_problem} if store_problem else {})})
 
 
 def metrics() -> Response:

@@ -91,6 +91,22 @@ def disk_view(root, bound_bytes: int, budget=None) -> dict:
     return view
 
 
+def store_view(shared) -> dict | None:
+    """The shared store (None: off): where, what waits, what was dropped, why it is not
+    written now, and what this process uploaded and fetched (no credential: boto3 holds them)."""
+    if shared is None:
+        return None
+    def count(name: str, **labels: str) -> int:
+        return int(metrics.REGISTRY.get_sample_value(name, labels) or 0)
+    return {"url": shared.url, "waiting": shared.uploader.waiting(),
+            "dropped": shared.uploader.dropped, "problem": shared.problem(),
+            "uploaded": count("kvproxy_store_uploads_total", outcome="written"),
+            "uploaded_bytes": count("kvproxy_store_upload_bytes_total", kind="chunk") +
+            count("kvproxy_store_upload_bytes_total", kind="session"),
+            "fetched": count("kvproxy_store_fetches_total", outcome="fetched"),
+            "fetch_failures": count("kvproxy_store_fetches_total", outcome="failed")}
+
+
 def restore_check_view(entries: dict, limit: int, running_key: str | None,
                        now: datetime | None = None) -> dict:
     """Whether restoring is switched off for the running model, and how close it came.
@@ -149,6 +165,7 @@ def status_data(include_sessions: bool = True) -> dict:
         "timeline": switch.activity.timeline(),
         "swaps": switch.activity.recent_swaps(),
         "disk": disk_view(switch.store.root, switch.max_disk_bytes, switch.budget),
+        "store": store_view(current_app.extensions.get("kvproxy.shared_store")),
         "restore_check": restore_check_view(switch.restore_check.entries(),
                                             settings.restore_miss_limit, running_key),
         "sessions": sessions if include_sessions else None,
@@ -159,7 +176,8 @@ def status_data(include_sessions: bool = True) -> dict:
 class Status(MethodView):
     @api_blueprint.response(200)
     def get(self):
-        """Slots, saved sessions, base snapshots, disk, cache outcomes, swaps, llama-server.
+        """Slots, saved sessions, base snapshots, disk, shared store, cache outcomes, swaps,
+        llama-server.
 
         ``?sessions=0`` leaves out the session and base lists (for quick polls).
         """

@@ -182,6 +182,19 @@ def owns(user: str, stem: str) -> bool:
     return stem.startswith(tag) or stem.startswith("base." + tag)
 
 
+OWNER_TAG = re.compile(r"[A-Za-z0-9_-]{1,24}-[0-9a-f]{16}")
+
+
+def owner_tag_of(stem: str) -> str | None:
+    """The owner tag a file's stem starts with (``owner_tag``: ``<tag>.<stem>``, base snapshots
+    ``base.<tag>.<hash>``), None for a file of no user's (kvproxy without API keys)."""
+    name = stem.partition(MODEL_SEPARATOR)[0]
+    if name.startswith("base."):
+        name = name[len("base."):]
+    tag, dot, _ = name.partition(".")
+    return tag if dot and OWNER_TAG.fullmatch(tag) else None
+
+
 def base_stem(system_hash: str, model: str | None = None) -> str:
     """File name of a system prompt's base snapshot; the dot keeps it apart from sessions."""
     return on_model(f"base.{system_hash}", model)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 from kvproxy.sessions.identity import Session, base_stem
 from kvproxy.slots import plan
@@ -83,16 +84,22 @@ class SlotFacts:
                  session.id, found.stem, found.tokens)
         return self.file_facts(found.stem)
 
-    def file_facts(self, stem: str) -> FileFacts:
+    def file_facts(self, stem: str, fetch: bool = False) -> FileFacts:
+        """What the folder holds of ``stem``; with ``fetch``, a file it lacks is first looked
+        up in the shared store (fetch on miss)."""
+        fetched_ms = None
         if not self.files.has(stem):
-            return FileFacts(stem)
+            started = time.monotonic()
+            if not (fetch and self.files.fetch(stem)):
+                return FileFacts(stem)
+            fetched_ms = (time.monotonic() - started) * 1000
         sidecar, problem = self.files.check(stem)
-        return FileFacts(stem, True, sidecar, problem)
+        return FileFacts(stem, True, sidecar, problem, fetched_ms)
 
     def swap_facts(self, slot: int, state: SlotState, session: Session, view: str,
                    made_by: dict, restoring_off: bool, base_snapshots: bool,
                    prompt: PromptView | None) -> SwapFacts:
-        own = self.file_facts(session.stem) if session.persistent else None
+        own = self.file_facts(session.stem, fetch=True) if session.persistent else None
         base = self.file_facts(base_stem(session.base_hash, session.model)) \
             if session.persistent and session.base_hash and base_snapshots else None
         seed = self.file_facts(session.seed_stem) \

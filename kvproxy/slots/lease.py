@@ -29,6 +29,7 @@ class Lease:
     restore_ms: float | None = None    # llama-server's time for this swap's restore
     began: int = 0                     # the generation it began in (slots.deletions)
     restored_saved_at: str | None = None  # the save restored (notes about it go on it alone)
+    fetched_ms: float | None = None    # the restored file came from the shared store, this fast
     _release: Any = field(default=None, repr=False)
 
     def figures(self, timings: dict) -> dict:
@@ -57,8 +58,10 @@ class Lease:
     def headers(self, timings: dict | None = None) -> dict[str, str]:
         """X-KVProxy-* headers; with the answer's ``timings`` (a whole answer) the cache
         outcome is what llama-server reused, a stream's headers leave before it knows."""
+        fetched = {"X-KVProxy-Fetched": f"store; ms={self.fetched_ms:.0f}"} \
+            if self.fetched_ms is not None else {}
         return {"X-KVProxy-Session": header_safe(self.session.id),
-                "X-KVProxy-Cache": self.outcome(timings)}
+                "X-KVProxy-Cache": self.outcome(timings), **fetched}
 
 
 def header_safe(text: str) -> str:

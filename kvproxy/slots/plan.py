@@ -98,6 +98,7 @@ class FileFacts:
     on_disk: bool = False
     sidecar: dict | None = None
     size_problem: str | None = None  # the file does not match its sidecar (``storage.quarantine``)
+    fetched_ms: float | None = None  # brought from the shared store just now, in this long
 
 
 @dataclass(frozen=True)

@@ -104,9 +104,11 @@ class SlotSwaps:
         log.info("swap to session=%s source=%s cache=%s slot=%s restored_tokens=%d swap_ms=%.1f "
                  "id_slot=%d placed=%s", session.id, session.source, filled.cache, view,
                  filled.tokens, swap_ms, slot, placed or "admin")
+        fetched = facts.own if facts.own is not None and filled.stem == facts.own.stem else None
         return Lease(session, filled.cache, filled.tokens, swap_ms, filled.stem, made_by,
                      prompt, slot=slot, prefill=filled.prefill, restore_ms=filled.restore_ms,
-                     restored_saved_at=filled.saved_at)
+                     restored_saved_at=filled.saved_at,
+                     fetched_ms=fetched.fetched_ms if fetched is not None else None)
 
     def swap_held(self, slot: int, session: Session, placed: str) -> Lease:
         """Swap ``slot``, which the caller holds and frees itself (side tasks), to ``session``;

@@ -77,6 +77,7 @@ class SwitchSettings:
     slot_keep: float = _shipped("slot_keep")
     session_store: str = _shipped("session_store")      # "chunks" or "files"
     chunk_tokens: int = _shipped("chunk_tokens")
+    shared: object = None   # the shared store (KVPROXY_STORE_URL): storage.shared's SharedStore
 
     @classmethod
     def of(cls, settings) -> "SwitchSettings":
@@ -122,7 +123,8 @@ class SlotSwitch:
         self.base_snapshots = s.base_snapshots
         self.max_disk_bytes = s.max_disk_bytes
         self.lock_timeout = s.lock_timeout
-        self.files = ChunkedFiles(store, s.max_disk_bytes, s.min_free_bytes, s.chunk_tokens) \
+        self.files = ChunkedFiles(store, s.max_disk_bytes, s.min_free_bytes, s.chunk_tokens,
+                                  s.shared) \
             if s.session_store == "chunks" else FolderFiles(store, s.max_disk_bytes, s.min_free_bytes)
         self.budget = self.files.budget
         self.pool = SlotPool(store, s.lock_timeout, s.max_waiters, keep=s.slot_keep)

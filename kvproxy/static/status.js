@@ -155,7 +155,7 @@ function render(data) {
   $("updated").textContent = `updated ${new Date(data.generated_at).toLocaleTimeString()}`;
   if (changed("slots", data.slots)) renderSlots(data.slots);
   renderStats(data.stats);
-  renderDisk(data.disk);
+  renderDisk(data.disk, data.store);
   renderRestoreCheck(data.restore_check);
   if (changed("timeline", data.timeline)) renderCharts(data.timeline);
   if (changed("swaps", data.swaps)) renderSwaps(data.swaps);
@@ -191,7 +191,7 @@ function renderStats(stats) {
   ]);
 }
 
-function renderDisk(disk) {
+function renderDisk(disk, store) {
   const share = disk.bound_bytes ? disk.used_bytes / disk.bound_bytes : 0;
   const fill = $("disk-fill");
   fill.style.width = `${Math.min(100, share * 100).toFixed(1)}%`;
@@ -208,6 +208,10 @@ function renderDisk(disk) {
     ["kept free", disk.kept_free_bytes == null ? "none" : bytes(disk.kept_free_bytes)],
     ["saves dropped", num(disk.saves_dropped || 0)],
     ["problem", disk.problem || "none"],
+    ["shared store", store ? `${store.url}: ${num(store.uploaded)} uploads (${bytes(store.uploaded_bytes)}), ` +
+      `${num(store.waiting)} waiting, ${num(store.dropped)} dropped; ${num(store.fetched)} fetched, ` +
+      `${num(store.fetch_failures)} failed` : "off"],
+    ...(store && store.problem ? [["store problem", store.problem]] : []),
   ]);
 }
 

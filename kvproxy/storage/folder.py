@@ -42,6 +42,10 @@ class FolderFiles:
     def has(self, stem: str) -> bool:
         return self.store.has_bin(stem)
 
+    def fetch(self, stem: str) -> bool:
+        """One folder, nothing to fetch from (``ChunkedFiles`` fetches from a shared store)."""
+        return False
+
     def check(self, stem: str) -> tuple[dict | None, str | None]:
         return quarantine.file_check(self.store, stem)
 

@@ -56,6 +56,11 @@ class SessionFiles(Protocol):
         """Whether a saved file of ``stem`` exists."""
         ...
 
+    def fetch(self, stem: str) -> bool:
+        """Bring ``stem`` from a store behind this one when it is missing here (the shared
+        store); whether it is here now. Never raises: a failure means computing it."""
+        ...
+
     def check(self, stem: str) -> tuple[dict | None, str | None]:
         """The file's sidecar, and why the file does not match it (None: it does)."""
         ...

@@ -91,3 +91,55 @@ def observe_chunked_save(written: int, logical: int) -> None:
     CHUNKED_SAVES.inc()
     SAVE_WRITTEN_BYTES.inc(written)
     SAVE_LOGICAL_BYTES.inc(logical)
+
+
+# -- the shared session store (KVPROXY_STORE_URL) ------------------------------------------
+STORE_UPLOADS = Counter("kvproxy_store_uploads_total",
+                        "Saved sessions the uploader handled, by outcome (written; already there; "
+                        "newer there: another node's later save was kept; gone: replaced or deleted locally "
+                        "before its turn; deleted: deleted here, so from the bucket too)",
+                        ["outcome"], registry=REGISTRY)
+STORE_UPLOAD_BYTES = Counter("kvproxy_store_upload_bytes_total",
+                             "Bytes uploaded to the shared store, by kind (chunk, session)",
+                             ["kind"], registry=REGISTRY)
+STORE_UPLOAD_FAILURES = Counter("kvproxy_store_upload_failures_total",
+                                "Uploads that failed and wait to be tried again",
+                                registry=REGISTRY)
+STORE_UPLOADS_DROPPED = Counter("kvproxy_store_uploads_dropped_total",
+                                "Waiting uploads dropped because the queue was full (the local "
+                                "copy is kept)", registry=REGISTRY)
+STORE_UPLOAD_QUEUE = Gauge("kvproxy_store_upload_queue",
+                           "Conversations whose newest save waits for its upload",
+                           registry=REGISTRY)
+STORE_UPLOAD_SECONDS = Histogram("kvproxy_store_upload_seconds",
+                                 "Time to upload one saved session (its new chunks and its "
+                                 "manifest)", buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+                                 registry=REGISTRY)
+
+
+def observe_upload(outcome: str, chunk_bytes: int, session_bytes: int, seconds: float) -> None:
+    STORE_UPLOADS.labels(outcome).inc()
+    if chunk_bytes:
+        STORE_UPLOAD_BYTES.labels("chunk").inc(chunk_bytes)
+    if session_bytes:
+        STORE_UPLOAD_BYTES.labels("session").inc(session_bytes)
+    STORE_UPLOAD_SECONDS.observe(seconds)
+
+
+STORE_FETCHES = Counter("kvproxy_store_fetches_total",
+                        "Sessions the slot folder lacked, looked up in the shared store, by "
+                        "outcome (fetched, not in the store, failed: computed instead)",
+                        ["outcome"], registry=REGISTRY)
+STORE_FETCH_BYTES = Counter("kvproxy_store_fetch_bytes_total",
+                            "Bytes fetched from the shared store", registry=REGISTRY)
+STORE_FETCH_SECONDS = Histogram("kvproxy_store_fetch_seconds",
+                                "Time to fetch one session from the shared store",
+                                buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+                                registry=REGISTRY)
+
+
+def observe_fetch(outcome: str, n_bytes: int, seconds: float) -> None:
+    STORE_FETCHES.labels(outcome).inc()
+    if n_bytes:
+        STORE_FETCH_BYTES.inc(n_bytes)
+    STORE_FETCH_SECONDS.observe(seconds)

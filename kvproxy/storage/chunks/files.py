@@ -58,8 +58,10 @@ class ChunkedFiles(FolderFiles):
     """Saved sessions as manifests of shared chunks in the slot folder."""
 
     def __init__(self, store: SessionStore, max_bytes: int = 0, min_free: int = 0,
-                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, shared=None):
         super().__init__(store, max_bytes, min_free)
+        # The shared store (``storage.shared.store.SharedStore``), told of every packed save.
+        self.shared = shared
         self.chunks = ChunkDir(store.chunk_root)
         self.chunk_tokens = chunk_tokens
         self.budget.shared = self
@@ -124,6 +126,8 @@ class ChunkedFiles(FolderFiles):
         metrics.observe_chunked_save(written, layout.size)
         self.store.update_sidecar(stem, {}, stored_as="chunks", chunks=len(keys),
                                   written_bytes=written)
+        if self.shared is not None:
+            self.shared.saved(self, stem)
         return written
 
     def _cut_proven(self, buf, layout: slot_layout.Layout, n_chunks: int) -> bool:
@@ -172,6 +176,13 @@ class ChunkedFiles(FolderFiles):
         finally:
             path.unlink(missing_ok=True)
 
+    def fetch(self, stem: str) -> bool:
+        """Fetch on miss: bring ``stem`` from the shared store when the folder lacks it;
+        whether it is here now (False: no shared store, not there, or the fetch failed)."""
+        if self.shared is None or self.has(stem):
+            return False
+        return self.shared.fetch(self, stem)
+
     def check(self, stem: str) -> tuple[dict | None, str | None]:
         if self.store.bin_path(stem).is_file():
             return super().check(stem)
@@ -217,9 +228,13 @@ class ChunkedFiles(FolderFiles):
 
     # -- delete and free -------------------------------------------------------------
     def delete(self, stem: str) -> bool:
+        """Delete a session (the admin API; eviction deletes through the budget and keeps the
+        shared store's copy): here, and in the shared store."""
         removed = super().delete(stem)
         if removed:
             self.free()
+            if self.shared is not None:
+                self.shared.deleted(self, stem)
         return removed
 
     def usage(self) -> tuple[int, dict[str, int]]:

@@ -9,6 +9,7 @@ A format newer than this kvproxy's is refused loudly: it is not guessed at.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import secrets
@@ -87,6 +88,14 @@ def read_meta(path: Path) -> dict:
     return meta
 
 
+def meta_of(data: bytes) -> dict:
+    """The JSON part of a manifest file's bytes (``ManifestError`` when it is not one)."""
+    meta, _ = _meta(io.BytesIO(data))
+    if not isinstance(meta, dict):
+        raise ManifestError("damaged manifest: not an object")
+    return meta
+
+
 def tail_bytes(path: Path) -> int:
     """The bytes of the tail a manifest file holds (``ManifestError``, ``OSError``)."""
     with open(path, "rb") as handle:
@@ -112,13 +121,26 @@ def file_size(path: Path) -> int:
 def read(path: Path) -> tuple[Manifest, bytes]:
     """The manifest and its tail (``ManifestError`` when it is not readable)."""
     with open(path, "rb") as handle:
-        meta, _ = _meta(handle)
-        tail = handle.read()
+        return _parsed(handle)
+
+
+def parse(data: bytes) -> tuple[Manifest, bytes]:
+    """``read`` of a manifest file's bytes (one fetched from the shared store)."""
+    return _parsed(io.BytesIO(data))
+
+
+def _parsed(handle) -> tuple[Manifest, bytes]:
+    meta, _ = _meta(handle)
+    tail = handle.read()
     head = slot_layout.head_tokens(tail)
     if head is None:
         raise ManifestError("the tail does not start with a slot file's header")
-    layout = slot_layout.layout_from_record(meta.get("layout") or {}, head)
-    return Manifest(int(meta["chunk_tokens"]), str(meta["seed"]), tuple(meta["keys"]), layout), tail
+    try:
+        layout = slot_layout.layout_from_record(meta.get("layout") or {}, head)
+        return Manifest(int(meta["chunk_tokens"]), str(meta["seed"]), tuple(meta["keys"]),
+                        layout), tail
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ManifestError(f"damaged manifest: {exc}") from None
 
 
 def tokens(path: Path) -> list[int] | None:

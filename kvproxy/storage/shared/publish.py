@@ -1,0 +1,124 @@
+"""One saved session copied from the slot folder to the shared store: its chunks first, then
+the session object naming them, so the bucket never holds a manifest whose chunks are missing.
+
+Chunks are written once (``put_if_absent``: a chunk another node wrote is left as it is); the
+session object goes over the stored one only when it is newer (``session_object.replaces``),
+by a conditional PUT on the ETag read just before, so two nodes writing one conversation at
+once never put an older save over a newer one: the later save wins, the other is dropped.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from kvproxy.errors import StoreError
+from kvproxy.storage.chunks import manifest
+from kvproxy.storage.shared import session_object
+from kvproxy.storage.shared.bucket import Bucket
+from kvproxy.storage.shared.location import user_of
+
+WRITTEN, NEWER_THERE, GONE, DELETED = "written", "newer there", "gone", "deleted"
+ALREADY_THERE = "already there"
+REPLACE_TRIES = 3           # conditional writes lost to another node before giving up for now
+KNOWN_CHUNKS = 65536        # chunk keys remembered as in the bucket
+
+
+class KnownChunks:
+    """Chunk keys this process saw in the bucket (bounded, oldest forgotten first), so a
+    conversation's next turn does not ask again for every chunk of its earlier turns."""
+
+    def __init__(self, limit: int = KNOWN_CHUNKS):
+        self.limit = limit
+        self._keys: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __contains__(self, name: str) -> bool:
+        with self._lock:
+            if name in self._keys:
+                self._keys.move_to_end(name)
+                return True
+            return False
+
+    def add(self, name: str) -> None:
+        with self._lock:
+            self._keys[name] = None
+            self._keys.move_to_end(name)
+            while len(self._keys) > self.limit:
+                self._keys.popitem(last=False)
+
+
+@dataclass(frozen=True)
+class Published:
+    outcome: str            # WRITTEN, NEWER_THERE, or GONE (no packed save to copy)
+    chunks: int = 0         # chunks this call wrote
+    chunk_bytes: int = 0
+    session_bytes: int = 0
+
+
+def snapshot(files, stem: str) -> session_object.SessionObject | None:
+    """The session's packed save as one object: sidecar and ``<stem>.chunked`` read under the
+    stem's lock, so both are of one save. None when there is none to copy: no manifest, or a
+    whole ``<stem>.bin`` beside it (a newer save, whose own packing queues it again)."""
+    store = files.store
+    with store.stem_lock(stem):
+        if store.bin_path(stem).is_file():
+            return None
+        sidecar = store.read_sidecar(stem)
+        try:
+            data = store.chunked_path(stem).read_bytes()
+        except FileNotFoundError:
+            return None
+    generation = session_object.generation_of(sidecar or {})
+    if generation is None:
+        return None
+    return session_object.SessionObject(generation, stem, sidecar, data)
+
+
+def publish(bucket: Bucket, files, stem: str, known: KnownChunks | None = None) -> Published:
+    """Copy the packed save of ``stem`` from ``files`` (a ``ChunkedFiles``) to ``bucket``."""
+    known = known if known is not None else KnownChunks()
+    saved = snapshot(files, stem)
+    if saved is None:
+        return Published(GONE)
+    try:
+        keys = tuple(manifest.meta_of(saved.manifest).get("keys") or ())
+    except ValueError:
+        return Published(GONE)
+    user, where = user_of(stem), bucket.location
+    head = bucket.head(where.session(user, stem))   # this save, or a later one, is there
+    theirs = session_object.generation_in(head.metadata) if head else None
+    if theirs is not None and not session_object.replaces(saved.generation, theirs):
+        return Published(ALREADY_THERE if theirs == saved.generation else NEWER_THERE)
+    written = written_bytes = 0
+    for key in keys:
+        name = where.chunk(user, key)
+        if name in known:
+            continue
+        if bucket.head(name) is None:
+            try:
+                body = files.chunks.read(key)
+            except FileNotFoundError:   # freed: a newer save replaced this one, and is queued
+                return Published(GONE, written, written_bytes)
+            if bucket.put_if_absent(name, body):
+                written += 1
+                written_bytes += len(body)
+        known.add(name)
+    body = saved.encode()
+    name = where.session(user, stem)
+    for _ in range(REPLACE_TRIES):
+        head = bucket.head(name)
+        theirs = session_object.generation_in(head.metadata) if head else None
+        if not session_object.replaces(saved.generation, theirs):
+            return Published(NEWER_THERE, written, written_bytes)
+        if bucket.replace(name, body, head.etag if head else None, saved.metadata):
+            return Published(WRITTEN, written, written_bytes, len(body))
+    raise StoreError(f"session {stem} was written by other nodes {REPLACE_TRIES} times while "
+                     "this one wrote it; trying again later")
+
+
+def unpublish(bucket: Bucket, stem: str) -> Published:
+    """A conversation deleted on this node: its session object goes from the bucket, so no
+    node fetches it again (its chunks stay until a sweep of the bucket frees them)."""
+    bucket.delete(bucket.location.session(user_of(stem), stem))
+    return Published(DELETED)

@@ -1,0 +1,99 @@
+"""This node's side of the shared store: where it is, the uploader that fills it, and the
+fetch on miss that reads it.
+
+Built once per process from the settings (``KVPROXY_STORE_URL``; None when it is empty) and
+handed to every model's ``ChunkedFiles``, which tells it of each packed save and asks it for
+a session its folder lacks.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from kvproxy.errors import StorageError, StoreError
+from kvproxy.storage.chunks import manifest
+from kvproxy.storage.shared import fetch as fetching
+from kvproxy.storage.shared.bucket import Bucket
+from kvproxy.storage.shared.location import StoreLocation
+from kvproxy.storage.shared.uploader import Uploader
+from kvproxy.telemetry import metrics
+
+log = logging.getLogger("kvproxy.store")
+
+
+class SharedStore:
+    """The bucket and this process's upload queue."""
+
+    def __init__(self, bucket: Bucket, queue: int = 256, fetch_seconds: float = 30.0):
+        self.bucket = bucket
+        self.uploader = Uploader(bucket, queue)
+        self.fetch_seconds = fetch_seconds
+
+    @classmethod
+    def of(cls, settings) -> "SharedStore | None":
+        if not getattr(settings, "store_url", ""):
+            return None
+        return cls(Bucket(StoreLocation.parse(settings.store_url), settings.store_timeout),
+                   settings.store_queue, settings.store_fetch_seconds)
+
+    @property
+    def url(self) -> str:
+        return self.bucket.location.url
+
+    def saved(self, files, stem: str) -> None:
+        """A save of ``stem`` was packed in ``files``' slot folder."""
+        self.uploader.saved(files, stem)
+
+    def catch_up(self, files) -> int:
+        """At start-up: have every session saved as chunks in ``files``' slot folder checked
+        against the bucket in the background (newest first); how many (none when those files
+        do not copy to this store: KVPROXY_SESSION_STORE=files)."""
+        if getattr(files, "shared", None) is not self:
+            return 0
+        paths = sorted(files.store.root.glob(f"*{manifest.SUFFIX}"),
+                       key=lambda path: path.stat().st_mtime if path.exists() else 0,
+                       reverse=True)
+        stems = [path.name[:-len(manifest.SUFFIX)] for path in paths]
+        if stems:
+            log.info("checking %d saved session(s) against the shared store %s in the "
+                     "background", len(stems), self.url)
+            self.uploader.catch_up(files, stems)
+        return len(stems)
+
+    def deleted(self, files, stem: str) -> None:
+        """``stem`` was deleted from ``files``' slot folder through the admin API."""
+        self.uploader.deleted(files, stem)
+
+    def fetch(self, files, stem: str) -> bool:
+        """Fetch on miss: whether ``stem`` is now in ``files``' slot folder. A failure is
+        one log line, and the caller computes the prompt instead."""
+        started = time.monotonic()
+        try:
+            done = fetching.fetch(self.bucket, files, stem, self.fetch_seconds)
+        except (StoreError, StorageError) as exc:
+            metrics.observe_fetch("failed", 0, time.monotonic() - started)
+            log.warning("could not fetch %s from the shared store, computing it instead: %s",
+                        stem, exc)
+            return False
+        metrics.observe_fetch(done.outcome, done.bytes, done.seconds)
+        if done.outcome == fetching.FOUND:
+            log.info("fetched %s from the shared store: %d chunk(s), %d bytes in %.2f s",
+                     stem, done.chunks, done.bytes, done.seconds)
+            return True
+        return False
+
+    def problem(self) -> str | None:
+        return self.uploader.problem()
+
+    def drain(self, timeout: float) -> bool:
+        """At exit: wait up to ``timeout`` seconds for the waiting uploads, then stop; whether
+        all went (else one log line: their local copies stay, unuploaded)."""
+        done = self.uploader.wait_idle(timeout)
+        if not done:
+            log.warning("%d upload(s) did not reach the shared store before exit; their local "
+                        "copies stay", self.uploader.waiting())
+        self.close(1)
+        return done
+
+    def close(self, timeout: float = 5) -> None:
+        self.uploader.close(timeout)
