@@ -331,11 +331,14 @@ def _mb(n: float | None) -> str:
 
 def report(run: dict) -> str:
     lines = [START, "## Sessions as chunks against whole files (`make bench-chunks`)", "",
-             f"Run {run['started']} on {run['machine'].get('cpu', '?')}; bundled model "
-             f"(SmolLM2-135M), llama-server's own files, one kvproxy under gunicorn.", ""]
+             f"Run {run['started']} on {run['machine'].get('cpu', '?')}"
+             + (f" (the six conversations {run['six_started']})" if run.get("six_started") else "")
+             + "; bundled model (SmolLM2-135M), llama-server's own files, one kvproxy under "
+             "gunicorn, each case on a fresh llama-server and slot folder; save behind after "
+             f"{SETTLE_DELAY} s. Load average at the end: {run.get('load', '?')}.", ""]
     six = run.get("six") or []
     if six:
-        lines += ["## Six conversations behind a 3,500-token prompt (one slot)", "",
+        lines += ["### Six conversations behind a 3,500-token prompt (one slot)", "",
                   "| store | chunk | folder | x tokens' whole files | second turns reused "
                   "(min) | one more turn: new tokens, written, bound |",
                   "|---|---:|---:|---:|---:|---|"]
@@ -349,7 +352,7 @@ def report(run: dict) -> str:
         lines.append("")
     ten = run.get("ten") or []
     if ten:
-        lines += ["## Ten conversations behind a 6,000-token prompt (one slot)", "",
+        lines += ["### Ten conversations behind a 6,000-token prompt (one slot)", "",
                   "| store | folder | written per first turn (median) | written per second "
                   "turn (median) | restore from the page cache (median) | restore from the "
                   "disk (median) | returning turns reused (min) |",
@@ -373,7 +376,7 @@ def report(run: dict) -> str:
         lines.append("")
     gap = run.get("gap") or []
     if gap:
-        lines += ["## Another slot's stream while a save runs (two slots)", "",
+        lines += ["### Another slot's stream while a save runs (two slots)", "",
                   "| store | slot folder | save (llama-server) | longest gap during the save | "
                   "longest gap, no save | median gap |", "|---|---|---:|---:|---:|---:|"]
         for r in gap:
@@ -438,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
                     run["gap"].append(case_gap(Path(at), store, 256, *ten_prompts,
                                                args.answer_tokens, folder))
                 print(json.dumps(run["gap"][-1]), flush=True)
+    run["load"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(run, indent=1) + "\n")
