@@ -20,7 +20,7 @@ from kvproxy.storage.shared.bucket import Bucket
 from kvproxy.storage.shared.location import StoreLocation
 from kvproxy.storage.shared.probe import probe
 from tests.nginx_harness import DEPLOY
-from tests.seaweed import MISSING, WeedMini, weed_binary
+from kvproxy.launch.seaweed import MISSING, WeedMini, weed_binary
 
 SYSTEMD = DEPLOY / "systemd"
 COMMANDS = {"master": "seaweedfs-master.service", "volume": "seaweedfs-volume.service",
@@ -109,7 +109,8 @@ def test_ports_line_up():
     assert not {p + 10000 for p in ports.values()} & set(ports.values())
     llama_port = int(env_file("kvproxy.env")["LLAMA_PORT"])
     assert llama_port not in ports.values(), "a SeaweedFS machine may also run llama-server"
-    assert {a.rsplit(":", 1)[1] for a in env["SEAWEEDFS_MASTERS"].split(",")} == {str(ports["master"])}
+    masters = env["SEAWEEDFS_MASTERS"].split(",")
+    assert {a.rsplit(":", 1)[1] for a in masters} == {str(ports["master"])}
     filers = env["SEAWEEDFS_FILERS"].split(",")
     assert {a.rsplit(":", 1)[1] for a in filers} == {str(ports["filer"])}
     assert filers[0].rsplit(":", 1)[0] == env["SEAWEEDFS_IP"], "this machine's filer first"
