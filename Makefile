@@ -14,7 +14,7 @@ BUILD_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 CLAUDE_CODE_VERSION := 2.1.332
 NPM_DIR := var/npm
 
-.PHONY: setup swa-model seaweedfs run test test-unit test-deploy nginx mutate bench bench-concurrency bench-swap bench-slot-overhead bench-idle-residents bench-kill bench-models bench-chunks soak clean claude-cli dist
+.PHONY: setup swa-model seaweedfs run test test-unit test-deploy nginx mutate bench bench-concurrency bench-swap bench-slot-overhead bench-idle-residents bench-kill bench-models bench-chunks bench-store soak clean claude-cli dist
 setup: $(VENV)/.requirements $(VENV)/.llama-server $(VENV)/.model
 
 $(VENV)/bin/python:
@@ -170,6 +170,12 @@ bench-models: setup swa-model
 # BENCH_ARGS="--scale 0.2 --chunk-sizes 256" for a smoke run.
 bench-chunks: setup
 	$(BIN)/python -m bench.chunks $(BENCH_ARGS)
+
+# The shared session store: a 6,000-token conversation resumed on another node from a real
+# SeaweedFS (weed mini), from the local disk and by a cold prefill; upload throughput and the
+# time until a turn is in the bucket. A few minutes.
+bench-store: setup seaweedfs
+	$(BIN)/python -m bench.store $(BENCH_ARGS)
 
 # Minutes of load against the real llama-server; not part of `make test` (a short one is).
 soak: setup

@@ -98,9 +98,9 @@ def long_text(n_words: int, seed: int) -> str:
 
 @pytest.fixture(scope="session")
 def weed(tmp_path_factory):
-    """One real SeaweedFS (``weed mini``, tests/seaweed.py) for the whole run, stopped at its
-    end; each test takes a bucket of its own (``store_url``)."""
-    from tests.seaweed import MISSING, WeedMini, weed_binary
+    """One real SeaweedFS (``weed mini``, kvproxy/launch/seaweed.py) for the whole run,
+    stopped at its end; each test takes a bucket of its own (``store_url``)."""
+    from kvproxy.launch.seaweed import MISSING, WeedMini, weed_binary
     if weed_binary() is None:
         pytest.skip(MISSING)
     tmp = tmp_path_factory.mktemp("weed")

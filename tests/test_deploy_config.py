@@ -22,6 +22,8 @@ from tests.nginx_harness import DEPLOY, Nginx, directive_values, seconds
 
 SITES = ["kvproxy.conf", "kvproxy-cluster.conf"]
 UNITS = ["llama-server.service", "kvproxy.service"]
+SEAWEEDFS_UNITS = ["seaweedfs-master.service", "seaweedfs-volume.service",
+                   "seaweedfs-filer.service", "seaweedfs-s3.service"]
 NGINX_DEFAULT_TIMEOUT = 60
 
 
@@ -39,10 +41,17 @@ def gunicorn_settings(monkeypatch, **env) -> dict:
 
 
 def unit(name: str) -> configparser.ConfigParser:
-    parser = configparser.ConfigParser(interpolation=None, strict=True)
+    """The unit's sections; a directive given twice (EnvironmentFile=) keeps its last value:
+    ``directives`` reads them all."""
+    parser = configparser.ConfigParser(interpolation=None, strict=False)
     parser.optionxform = str
     parser.read_string((DEPLOY / "systemd" / name).read_text())
     return parser
+
+
+def directives(name: str, key: str) -> list[str]:
+    """Every value of ``key=`` in the unit, in order."""
+    return re.findall(rf"^{key}=(.*)$", (DEPLOY / "systemd" / name).read_text(), re.M)
 
 
 def env_file() -> dict[str, str]:
@@ -155,11 +164,11 @@ def test_gunicorn_process_settings(monkeypatch):
 
 def test_units_share_user_folder_and_settings():
     llama, proxy = unit("llama-server.service"), unit("kvproxy.service")
-    for parsed in (llama, proxy):
+    for name, parsed in (("llama-server.service", llama), ("kvproxy.service", proxy)):
         service = parsed["Service"]
         assert service["User"] == service["Group"] == "kvproxy"
         assert service["CacheDirectory"] == "llama-slots"
-        assert service["EnvironmentFile"] == "/etc/kvproxy/kvproxy.env"
+        assert directives(name, "EnvironmentFile")[0] == "/etc/kvproxy/kvproxy.env"
         assert service["Restart"] == "on-failure"
         assert service["KillSignal"] == "SIGTERM"
         assert parsed["Install"]["WantedBy"] == "multi-user.target"
@@ -218,12 +227,13 @@ def test_systemd_analyze_verify(tmp_path):
         pytest.skip("systemd-analyze is not installed (Debian package systemd); "
                     "the units are still checked by the tests above")
     stand_ins = {"/usr/local/bin/llama-server": tmp_path / "llama-server",
-                 "/opt/kvproxy/.venv/bin/gunicorn": tmp_path / "gunicorn"}
+                 "/opt/kvproxy/.venv/bin/gunicorn": tmp_path / "gunicorn",
+                 "/usr/local/bin/weed": tmp_path / "weed"}
     for path in stand_ins.values():
         path.write_text("#!/bin/sh\n")
         path.chmod(0o755)
     copies = []
-    for name in UNITS:
+    for name in UNITS + SEAWEEDFS_UNITS:
         text = (DEPLOY / "systemd" / name).read_text()
         for real, stand_in in stand_ins.items():
             text = text.replace(real, str(stand_in))

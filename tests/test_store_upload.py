@@ -22,7 +22,7 @@ from kvproxy.storage.shared.publish import GONE, Published, publish
 from kvproxy.storage.shared.uploader import MAX_BACKOFF, next_backoff
 from kvproxy.storage.store import SessionStore
 from tests.fake_llama import UPSTREAM
-from tests.seaweed import WeedMini, weed_binary, MISSING
+from kvproxy.launch.seaweed import WeedMini, weed_binary, MISSING
 from tests.support import metric, save_chunked, wait_until
 
 C = 16

@@ -1,5 +1,6 @@
-"""A real SeaweedFS for the shared store's tests: ``weed mini`` (master, volume, filer and S3
-gateway in one process) on free ports of the loopback address, with one access key.
+"""A real SeaweedFS for the shared store's tests and benchmark: ``weed mini`` (master, volume,
+filer and S3 gateway in one process) on free ports of the loopback address, with one access
+key.
 
 The process is started in its own process group and gets SIGTERM when the test run dies
 (``processes.start_process``); ``stop`` ends its whole group, waiting a bounded time. The
