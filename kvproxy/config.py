@@ -292,6 +292,14 @@ SETTINGS: tuple[Setting, ...] = (
             "Longest a conversation missing from the slot folder may take to come from the "
             "shared store (its session, then its chunks, several at once); past it, or when the "
             "fetch fails, its prompt is computed, with one log line."),
+    Setting("store_sweep_minutes", "60", _number(0, 525600),
+            "Minutes between this node's tries to sweep the shared store of chunks no session "
+            "object names (one node at a time, under a lease in the bucket); 0: never (POST "
+            "/api/store/sweep and 'kvproxy sweep' still run one)."),
+    Setting("store_sweep_grace_seconds", "3600", _number(60, 1e7),
+            "Age a chunk of the shared store must reach before a sweep may delete it when no "
+            "session object names it: longer than any upload takes (an upload writes its "
+            "chunks before the session object that names them)."),
     Setting("max_disk_gb", "100", _gigabytes,
             "Upper bound on the slot folder's size; before a save the least recently used slot files "
             "are deleted to keep it (0: no bound)."),

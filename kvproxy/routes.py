@@ -63,6 +63,7 @@ BLUEPRINTS: Mapping[str, str] = {
     "sessions": "kvproxy.ops.admin:blueprint",
     "slots": "kvproxy.ops.admin:slots_blueprint",
     "status": "kvproxy.ops.status:api_blueprint",
+    "store": "kvproxy.ops.store_admin:blueprint",
 }
 
 
@@ -192,6 +193,8 @@ ROUTES: tuple[Route, ...] = tuple([
           note="delete a saved session"),
     Route("/api/slots", GET, "admin", "slots.Slots",
           note="every slot and its session"),
+    Route("/api/store/sweep", POST, "admin", "store.Sweep", reads_records=False,
+          note="sweep the shared store of unnamed chunks now, under its lease"),
     Route("/api/status", GET, "admin", "status.Status", quiet=True,
           note="everything the status page shows"),
     Route("/api/openapi.json", GET, "admin", "api-docs.openapi_json", added_by="flask-smorest",

@@ -159,3 +159,9 @@ def test_stats_say_how_sessions_are_stored():
                         "stored_ratio": 0.25, "written_per_save": 1024**2,
                         "logical_per_save": 6 * 1024**2})
     assert text.startswith("12 shared chunks") and "25.0%" in text and "a save wrote" in text
+
+
+def test_sweep_without_a_shared_store_says_so(served, capsys):
+    code, out, err = run(capsys, "sweep")
+    assert code == cli.SERVER_ERROR and not out
+    assert "KVPROXY_STORE_URL is not set" in err

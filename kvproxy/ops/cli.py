@@ -180,6 +180,17 @@ def cmd_clear(client: AdminClient, args) -> tuple[Any, str]:
     return answer, f"{which} cleared (the sessions they held were saved first)"
 
 
+def cmd_sweep(client: AdminClient, args) -> tuple[Any, str]:
+    answer = client.call("POST", "/api/store/sweep").json()
+    if not answer["swept"]:
+        return answer, f"not swept: {answer.get('holder') or 'another node'} holds the sweep lease"
+    text = (f"swept: {answer['checked']} chunks checked, {answer['deleted']} deleted, "
+            f"{human_bytes(answer['freed_bytes'])} freed in {answer['seconds']:.2f} s")
+    if answer.get("problem"):
+        text += f" (stopped: {answer['problem']})"
+    return answer, text
+
+
 def cmd_stats(client: AdminClient, args) -> tuple[Any, str]:
     data = client.json("/api/status")
     stats, disk = data["stats"], data["disk"]
@@ -285,6 +296,8 @@ COMMANDS: dict[str, tuple[Callable, str]] = {
     "rm": (cmd_rm, "delete a saved session (exit 1 when there is none)"),
     "clear": (cmd_clear, "save the sessions the slots hold, then empty them (--slot N: one)"),
     "stats": (cmd_stats, "hit ratio, tokens reused and computed, disk"),
+    "sweep": (cmd_sweep, "sweep the shared store of chunks no session names, now (one node "
+                         "at a time)"),
 }
 
 

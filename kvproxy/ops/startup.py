@@ -188,12 +188,13 @@ class Contract:
 
 def check_at_start(app) -> None:
     """Sweep the slot folder, have the shared store (if any) catch up with it in the
-    background, then run the check; a mismatch raises ContractError. llama-server not
+    background and start its periodic sweeps, then run the check; a mismatch raises ContractError. llama-server not
     answering yet leaves the check to /health."""
     sweep_slot_folder(app.extensions["kvproxy.switch"])
     shared = app.extensions.get("kvproxy.shared_store")
     if shared is not None:
         shared.catch_up(app.extensions["kvproxy.switch"].files)
+        shared.start_sweeps()
     contract: Contract = app.extensions["kvproxy.contract"]
     try:
         problem = contract.verify(wait=START_WAIT)

@@ -126,6 +126,26 @@ def observe_upload(outcome: str, chunk_bytes: int, session_bytes: int, seconds: 
     STORE_UPLOAD_SECONDS.observe(seconds)
 
 
+STORE_SWEEPS = Counter("kvproxy_store_sweeps_total",
+                       "Sweeps of the shared store asked for, by outcome (swept, leased "
+                       "elsewhere: another node held the lease, failed)", ["outcome"],
+                       registry=REGISTRY)
+STORE_SWEEP_CHECKED = Counter("kvproxy_store_sweep_chunks_checked_total",
+                              "Chunks in the shared store a sweep listed", registry=REGISTRY)
+STORE_SWEEP_DELETED = Counter("kvproxy_store_sweep_chunks_deleted_total",
+                              "Unnamed chunks a sweep deleted from the shared store",
+                              registry=REGISTRY)
+STORE_SWEEP_FREED = Counter("kvproxy_store_sweep_freed_bytes_total",
+                            "Bytes of the chunks a sweep deleted", registry=REGISTRY)
+
+
+def observe_sweep(checked: int, deleted: int, freed: int) -> None:
+    STORE_SWEEPS.labels("swept").inc()
+    STORE_SWEEP_CHECKED.inc(checked)
+    STORE_SWEEP_DELETED.inc(deleted)
+    STORE_SWEEP_FREED.inc(freed)
+
+
 STORE_FETCHES = Counter("kvproxy_store_fetches_total",
                         "Sessions the slot folder lacked, looked up in the shared store, by "
                         "outcome (fetched, not in the store, failed: computed instead)",

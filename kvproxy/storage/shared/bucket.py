@@ -45,6 +45,17 @@ class Head:
     metadata: dict
 
 
+@dataclass(frozen=True)
+class Listed:
+    """One object of a listing: its name, size, ETag and when it was last written (seconds
+    since the epoch, by the store's clock)."""
+
+    key: str
+    size: int
+    etag: str
+    modified: float
+
+
 def endpoint_shown() -> str:
     """The endpoint as a message may name it: scheme, host and port only."""
     url = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
@@ -192,6 +203,16 @@ class Bucket:
             for page in pages:
                 for item in page.get("Contents") or ():
                     yield item["Key"], int(item.get("Size") or 0)
+
+    def listing(self, prefix: str) -> list[Listed]:
+        """Every object under ``prefix``, whole: a page that fails fails the listing, so no
+        caller acts on part of one."""
+        with self.mapped("list", prefix):
+            pages = self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.location.bucket, Prefix=prefix)
+            return [Listed(item["Key"], int(item.get("Size") or 0), item.get("ETag", ""),
+                           item["LastModified"].timestamp())
+                    for page in pages for item in page.get("Contents") or ()]
 
     def reachable(self) -> None:
         """``StoreError`` unless the bucket answers (HEAD bucket)."""

@@ -59,6 +59,10 @@ class StoreLocation:
     def _under(self, *parts: str) -> str:
         return "/".join(([self.prefix] if self.prefix else []) + list(parts))
 
+    def users(self) -> str:
+        """The prefix of every user's objects, ending with a slash."""
+        return self._under("users") + "/"
+
     def user_prefix(self, user: str) -> str:
         """Everything of one user (``user_of``), ending with a slash."""
         return self._under("users", user) + "/"
@@ -72,6 +76,20 @@ class StoreLocation:
     def sessions(self, user: str) -> str:
         """The prefix of one user's sessions."""
         return self.user_prefix(user) + "sessions/"
+
+    def lease(self, name: str) -> str:
+        """A lease object (``<prefix>/<name>.lease``), apart from every user's."""
+        return self._under(f"{name}.lease")
+
+    def kind_of(self, name: str) -> tuple[str, str] | None:
+        """The user and kind (``chunks`` or ``sessions``) of an object named under
+        ``users()``; None for any other name."""
+        if not name.startswith(self.users()):
+            return None
+        parts = name[len(self.users()):].split("/")
+        if len(parts) == 4 and parts[1] == "chunks" or len(parts) == 3 and parts[1] == "sessions":
+            return parts[0], parts[1]
+        return None
 
     def probe(self, name: str) -> str:
         """An object ``kvproxy doctor`` writes and deletes again, apart from every user's."""

@@ -9,6 +9,7 @@ once never put an older save over a newer one: the later save wins, the other is
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -22,27 +23,42 @@ WRITTEN, NEWER_THERE, GONE, DELETED = "written", "newer there", "gone", "deleted
 ALREADY_THERE = "already there"
 REPLACE_TRIES = 3           # conditional writes lost to another node before giving up for now
 KNOWN_CHUNKS = 65536        # chunk keys remembered as in the bucket
+KNOWN_SECONDS = 300.0       # how long one is trusted to be there without looking again
 
 
 class KnownChunks:
     """Chunk keys this process saw in the bucket (bounded, oldest forgotten first), so a
-    conversation's next turn does not ask again for every chunk of its earlier turns."""
+    conversation's next turn does not ask again for every chunk of its earlier turns. Each is
+    trusted for ``seconds`` only: a sweep on another node may delete a chunk no session object
+    names, and a save that names it again then looks before skipping its upload."""
 
-    def __init__(self, limit: int = KNOWN_CHUNKS):
+    def __init__(self, limit: int = KNOWN_CHUNKS, seconds: float = KNOWN_SECONDS,
+                 clock=time.monotonic):
         self.limit = limit
-        self._keys: OrderedDict[str, None] = OrderedDict()
+        self.seconds = seconds
+        self.clock = clock
+        self._keys: OrderedDict[str, float] = OrderedDict()
         self._lock = threading.Lock()
 
     def __contains__(self, name: str) -> bool:
         with self._lock:
-            if name in self._keys:
-                self._keys.move_to_end(name)
-                return True
-            return False
+            seen = self._keys.get(name)
+            if seen is None:
+                return False
+            if self.clock() - seen > self.seconds:
+                del self._keys[name]
+                return False
+            self._keys.move_to_end(name)
+            return True
+
+    def discard(self, name: str) -> None:
+        """``name`` is no longer in the bucket (a sweep deleted it)."""
+        with self._lock:
+            self._keys.pop(name, None)
 
     def add(self, name: str) -> None:
         with self._lock:
-            self._keys[name] = None
+            self._keys[name] = self.clock()
             self._keys.move_to_end(name)
             while len(self._keys) > self.limit:
                 self._keys.popitem(last=False)

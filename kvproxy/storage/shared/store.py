@@ -15,6 +15,7 @@ from kvproxy.storage.chunks import manifest
 from kvproxy.storage.shared import fetch as fetching
 from kvproxy.storage.shared.bucket import Bucket
 from kvproxy.storage.shared.location import StoreLocation
+from kvproxy.storage.shared.sweeper import Sweeper, node_id
 from kvproxy.storage.shared.uploader import Uploader
 from kvproxy.telemetry import metrics
 
@@ -24,17 +25,22 @@ log = logging.getLogger("kvproxy.store")
 class SharedStore:
     """The bucket and this process's upload queue."""
 
-    def __init__(self, bucket: Bucket, queue: int = 256, fetch_seconds: float = 30.0):
+    def __init__(self, bucket: Bucket, queue: int = 256, fetch_seconds: float = 30.0,
+                 sweep_grace: float = 3600.0, sweep_minutes: float = 0, node: str = ""):
         self.bucket = bucket
         self.uploader = Uploader(bucket, queue)
         self.fetch_seconds = fetch_seconds
+        self.sweeper = Sweeper(bucket, sweep_grace, sweep_minutes, node_id(node),
+                               self.uploader.known)
 
     @classmethod
     def of(cls, settings) -> "SharedStore | None":
         if not getattr(settings, "store_url", ""):
             return None
         return cls(Bucket(StoreLocation.parse(settings.store_url), settings.store_timeout),
-                   settings.store_queue, settings.store_fetch_seconds)
+                   settings.store_queue, settings.store_fetch_seconds,
+                   settings.store_sweep_grace_seconds, settings.store_sweep_minutes,
+                   settings.node_name)
 
     @property
     def url(self) -> str:
@@ -95,5 +101,14 @@ class SharedStore:
         self.close(1)
         return done
 
+    def start_sweeps(self) -> None:
+        """In the serving process: sweep the bucket every KVPROXY_STORE_SWEEP_MINUTES."""
+        self.sweeper.start()
+
+    def sweep(self):
+        """A sweep now, if this node can take the lease (``sweeper.Outcome``)."""
+        return self.sweeper.run_once()
+
     def close(self, timeout: float = 5) -> None:
+        self.sweeper.close(timeout)
         self.uploader.close(timeout)
