@@ -176,3 +176,15 @@ def pytest_collection_modifyitems(config, items):
     if wrong:
         raise pytest.UsageError("test file names must follow their markers (*_real.py holds the "
                                 "tests marked real or deploy): " + ", ".join(wrong))
+
+
+_REAL_SEND = requests.adapters.HTTPAdapter.send
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_stub_left_behind():
+    """After every test module, requests reach the network again: a `responses` stub left
+    started would make every later real test's calls fail (llama-server "never" answering)."""
+    yield
+    assert requests.adapters.HTTPAdapter.send is _REAL_SEND, \
+        "a test left a `responses` stub started (stop stubs in reverse order of starting)"

@@ -31,7 +31,7 @@ def fake_app(tmp_path):
         return app, fake
     built = []
     yield build
-    for mock in built:
+    for mock in reversed(built):   # last started, first stopped: each restores the one before
         mock.stop()
         mock.reset()
 
