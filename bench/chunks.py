@@ -34,10 +34,10 @@ from pathlib import Path
 
 import requests
 
-from bench.client import stream_chat
+from bench.client import session_turn, stream_chat
 from bench.procs import Mode
 from bench.readings import machine, sidecar_files
-from bench.report import PAGE, RESULTS, update_page
+from bench.report import RESULTS, put_on_page, write_figures
 from bench.workload import text_of_tokens
 
 START, END = "<!-- bench-chunks:start -->", "<!-- bench-chunks:end -->"
@@ -109,17 +109,7 @@ def wait_stored(slot_dir: Path, session: str, before: str | None, chunked: bool)
 
 def chat(url: str, session: str, messages: list[dict], max_tokens: int = 24) -> dict:
     """One turn (temperature 0): reply, prompt and reused tokens, kvproxy's cache header."""
-    response = requests.post(url + "/v1/chat/completions", headers={"X-Session-Id": session},
-                             json={"model": "m", "messages": messages, "max_tokens": max_tokens,
-                                   "temperature": 0}, timeout=(5, READ_TIMEOUT))
-    if response.status_code != 200:
-        raise RuntimeError(f"{session}: {response.status_code} {response.text[:300]}")
-    answer = response.json()
-    usage = answer.get("usage") or {}
-    return {"reply": answer["choices"][0]["message"].get("content") or "",
-            "prompt_tokens": usage.get("prompt_tokens") or 0,
-            "reused_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
-            "cache": response.headers.get("X-KVProxy-Cache")}
+    return session_turn(url, session, messages, max_tokens, READ_TIMEOUT)
 
 
 def swap_ms(log_path: Path) -> dict[str, list[float]]:
@@ -169,9 +159,7 @@ class Stack:
         pids = self.pids()
         os.sync()
         counts = [io_counts([pid]) for pid in pids]
-        started = time.perf_counter()
         result = chat(self.url, session, messages, max_tokens)
-        result["seconds"] = time.perf_counter() - started
         sidecar = wait_stored(self.slot_dir, session, before, self.store == "chunks")
         os.sync()
         # per process (llama-server, kvproxy): bytes dirtied and bytes cancelled meanwhile
@@ -408,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         run = json.loads(Path(args.from_json).read_text())
         print(report(run))
         if not args.no_page:
-            update_page(PAGE, report(run), START, END)
+            put_on_page(report(run), START, END)
         return 0
     cases = set(args.cases.split(","))
     sizes = [int(s) for s in args.chunk_sizes.split(",")]
@@ -442,14 +430,11 @@ def main(argv: list[str] | None = None) -> int:
                                                args.answer_tokens, folder))
                 print(json.dumps(run["gap"][-1]), flush=True)
     run["load"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(run, indent=1) + "\n")
     text = report(run)
-    out.with_suffix(".md").write_text(text + "\n")
+    write_figures(Path(args.out), run, text)
     print(text)
-    if not args.no_page and not update_page(PAGE, text, START, END):
-        print(f"{PAGE.name} has no {START} ... {END} section: left as it is")
+    if not args.no_page:
+        put_on_page(text, START, END)
     return 0
 
 

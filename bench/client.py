@@ -93,6 +93,27 @@ def timed_json(http: requests.Session, url: str, body: dict, read_timeout: float
     return time.perf_counter() - started, response
 
 
+def session_turn(url: str, session: str, messages: list[dict], max_tokens: int,
+                 read_timeout: float = 600) -> dict:
+    """One non-streaming turn (temperature 0) of the conversation ``session`` through kvproxy:
+    its seconds, reply, prompt and reused tokens, and kvproxy's X-KVProxy-* headers."""
+    started = time.perf_counter()
+    response = requests.post(url + "/v1/chat/completions", headers={"X-Session-Id": session},
+                             json={"model": "m", "messages": messages, "temperature": 0,
+                                   "max_tokens": max_tokens},
+                             timeout=(CONNECT_TIMEOUT, read_timeout))
+    seconds = time.perf_counter() - started
+    if response.status_code != 200:
+        raise RuntimeError(f"{session}: {response.status_code} {response.text[:300]}")
+    body = response.json()
+    usage = body.get("usage") or {}
+    return {"seconds": seconds, "reply": body["choices"][0]["message"].get("content") or "",
+            "prompt_tokens": usage.get("prompt_tokens") or 0,
+            "reused_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
+            "cache": response.headers.get("X-KVProxy-Cache"),
+            "fetched": response.headers.get("X-KVProxy-Fetched")}
+
+
 def tokenize(http: requests.Session, llama_url: str, text: str, special: bool = True) -> list[int]:
     response = http.post(llama_url + "/tokenize",
                          json={"content": text, "add_special": special, "parse_special": special},

@@ -1,6 +1,7 @@
 """Turn a benchmark run (the JSON dict) into targets, tables, a plot and its docs/benchmark.md section."""
 from __future__ import annotations
 
+import json
 import os
 import statistics
 from pathlib import Path
@@ -441,3 +442,16 @@ def plot(run: dict, path: Path) -> None:
     fig.savefig(tmp, dpi=90, format="png")
     plt.close(fig)
     os.replace(tmp, path)
+
+
+def write_figures(out: Path, run: dict, section: str) -> None:
+    """A standalone benchmark's figures: ``<out>.json`` (raw) and ``<out>.md`` (its section)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(run, indent=1) + "\n")
+    out.with_suffix(".md").write_text(section + "\n")
+
+
+def put_on_page(section: str, start_marker: str, end_marker: str) -> None:
+    """The section into docs/benchmark.md between its markers, or one line saying why not."""
+    if not update_page(PAGE, section, start_marker, end_marker):
+        print(f"{PAGE.name} has no {start_marker} ... {end_marker} section: left as it is")

@@ -37,7 +37,8 @@ import requests
 
 from bench.procs import Mode
 from bench.readings import cores_and_load, sidecar_files
-from bench.report import PAGE, RESULTS, update_page
+from bench.client import session_turn
+from bench.report import RESULTS, put_on_page, write_figures
 from bench.workload import text_of_tokens
 from kvproxy.launch.seaweed import MISSING, WeedMini, weed_binary
 from kvproxy.storage.shared.location import NO_USER, StoreLocation
@@ -100,22 +101,9 @@ def node(work: Path, name: str, store_env: dict[str, str]) -> Mode:
 
 def chat(url: str, session: str, messages: list[dict], max_tokens: int) -> dict:
     """One turn (temperature 0) through kvproxy: its time, tokens and kvproxy's headers."""
-    started = time.perf_counter()
-    response = requests.post(url + "/v1/chat/completions", headers={"X-Session-Id": session},
-                             json={"model": "m", "messages": messages, "temperature": 0,
-                                   "max_tokens": max_tokens}, timeout=(5, READ_TIMEOUT))
-    seconds = time.perf_counter() - started
-    if response.status_code != 200:
-        raise RuntimeError(f"{session}: {response.status_code} {response.text[:300]}")
-    body = response.json()
-    usage = body.get("usage") or {}
-    return {"seconds": round(seconds, 3), "answered_at": time.monotonic(),
-            "reply": body["choices"][0]["message"].get("content") or "",
-            "prompt_tokens": usage.get("prompt_tokens") or 0,
-            "reused_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
-            "cache": response.headers.get("X-KVProxy-Cache"),
-            "fetched": response.headers.get("X-KVProxy-Fetched"),
-            "fetch_ms": fetched_ms(response.headers.get("X-KVProxy-Fetched"))}
+    turn = session_turn(url, session, messages, max_tokens, READ_TIMEOUT)
+    return {**turn, "seconds": round(turn["seconds"], 3), "answered_at": time.monotonic(),
+            "fetch_ms": fetched_ms(turn["fetched"])}
 
 
 def cold(llama_url: str, messages: list[dict], max_tokens: int) -> dict:
@@ -352,14 +340,11 @@ def main(argv: list[str] | None = None) -> int:
             run["rounds"] = measure(work, args.rounds, (args.system_tokens, args.first_tokens),
                                     args.answer_tokens)
         run["load"]["after"] = cores_and_load()
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(run, indent=1) + "\n")
-        out.with_suffix(".md").write_text(report(run) + "\n")
+        write_figures(Path(args.out), run, report(run))
     text = report(run)
     print(text)
-    if not args.no_page and not update_page(PAGE, text, START, END):
-        print(f"{PAGE.name} has no {START} ... {END} section: left as it is")
+    if not args.no_page:
+        put_on_page(text, START, END)
     return 0
 
 
