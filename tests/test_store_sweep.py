@@ -187,7 +187,7 @@ def test_only_the_lease_holder_sweeps_and_each_sweep_is_one_line(stocked, caplog
     bucket, orphan = stocked
     holder = Lease(bucket, "sweep", "elsewhere", 60)
     assert holder.take()
-    sweeper = Sweeper(bucket, 0, 0, node="here")
+    sweeper = Sweeper(bucket, 0, 0, node="here", settle=0)
     skipped = metric("kvproxy_store_sweeps_total", outcome="leased elsewhere")
     outcome = sweeper.run_once()
     assert not outcome.swept and outcome.holder == "elsewhere"
@@ -209,7 +209,7 @@ def test_a_deleted_chunk_is_forgotten_by_this_nodes_uploader(stocked):
     bucket, orphan = stocked
     known = KnownChunks()
     known.add(orphan)
-    Sweeper(bucket, 0, 0, node="here", known=known).run_once()
+    Sweeper(bucket, 0, 0, node="here", known=known, settle=0).run_once()
     assert orphan not in known
 
 

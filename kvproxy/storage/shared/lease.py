@@ -6,15 +6,22 @@ ETag of an expired one (or one this node holds), so of nodes racing for it exact
 (412 for the others). Released by writing it expired, again conditional on the ETag this node
 wrote: a release never undoes another node's lease, even one taken after ours ran out. The
 expiry is by the nodes' clocks (kept by NTP, as the sessions' generations).
+
+Each take writes a serial of its own, kept by its release, so every write of the lease has
+an ETag no earlier write had: an upload that reads the lease before and after checking its
+chunks (``fence``) can tell that a sweep began or ended in between.
 """
 from __future__ import annotations
 
 import json
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Callable
 
 from kvproxy.storage.shared.bucket import Bucket
+
+SWEEP = "sweep"   # the lease of the sweep of unnamed chunks
 
 
 @dataclass(frozen=True)
@@ -23,9 +30,13 @@ class Holder:
 
     node: str
     expires: float
+    serial: str = ""   # of the take; its release keeps it
 
     def encode(self) -> bytes:
-        return json.dumps({"node": self.node, "expires": round(self.expires, 3)}).encode()
+        body = {"node": self.node, "expires": round(self.expires, 3)}
+        if self.serial:
+            body["serial"] = self.serial
+        return json.dumps(body).encode()
 
 
 def decode(data: bytes) -> Holder | None:
@@ -33,9 +44,28 @@ def decode(data: bytes) -> Holder | None:
     damaged lease never stops every node for good)."""
     try:
         body = json.loads(data)
-        return Holder(str(body["node"]), float(body["expires"]))
+        return Holder(str(body["node"]), float(body["expires"]), str(body.get("serial", "")))
     except (ValueError, KeyError, TypeError):
         return None
+
+
+@dataclass(frozen=True)
+class Fence:
+    """The lease as one look saw it: its ETag (None: never taken) and whether a holder held
+    it then. Two looks with equal fences saw no take or release in between."""
+
+    etag: str | None
+    held: bool
+
+
+def fence(bucket: Bucket, name: str, clock: Callable[[], float] = time.time) -> Fence:
+    """A look at ``name``'s lease (``StoreError`` when the store fails). A lease that cannot
+    be read is not held, as for ``Lease.take``."""
+    found = bucket.get(bucket.location.lease(name))
+    if found is None:
+        return Fence(None, False)
+    holder = decode(found[0])
+    return Fence(found[1].etag, holder is not None and holder.expires > clock())
 
 
 class Lease:
@@ -50,6 +80,7 @@ class Lease:
         self.clock = clock
         self._etag: str | None = None
         self._expires = 0.0
+        self._serial = ""
         self.other: Holder | None = None   # who held it when ``take`` failed
 
     def take(self) -> bool:
@@ -63,7 +94,7 @@ class Lease:
                 self.other = holder
                 return False
             etag = found[1].etag
-        mine = Holder(self.node, now + self.seconds)
+        mine = Holder(self.node, now + self.seconds, uuid.uuid4().hex)
         body = mine.encode()
         if not self.bucket.replace(self.key, body, etag):
             self.other = None   # another node came first
@@ -72,6 +103,7 @@ class Lease:
         if written is None or written[0] != body:
             return False
         self._etag, self._expires, self.other = written[1].etag, mine.expires, None
+        self._serial = mine.serial
         return True
 
     def left(self) -> float:
@@ -84,4 +116,5 @@ class Lease:
         if self._etag is None:
             return False
         etag, self._etag = self._etag, None
-        return self.bucket.replace(self.key, Holder(self.node, 0.0).encode(), etag)
+        return self.bucket.replace(self.key, Holder(self.node, 0.0, self._serial).encode(),
+                                   etag)

@@ -1,6 +1,11 @@
 """When the bucket is swept: every ``minutes`` by a thread of each node, and on demand (the
 admin API), always under the sweep lease, so one node sweeps at a time.
 
+After taking the lease a sweep waits ``settle`` seconds before it lists the bucket: an
+upload that saw the lease free just before writes its session object within that time, so
+the listing sees it and its chunks stay (``publish``; an upload whose write took longer
+checks its chunks again once the sweep is over).
+
 Each sweep is one log line (chunks checked, deleted, bytes freed, seconds) and counts in
 ``/metrics``; chunks it deleted are forgotten by this node's uploader, which then uploads them
 again when a save names them.
@@ -12,18 +17,19 @@ import os
 import random
 import socket
 import threading
+import time
 from dataclasses import dataclass
 
 from kvproxy.errors import StoreError
 from kvproxy.storage.shared import sweep as sweeping
 from kvproxy.storage.shared.bucket import Bucket
-from kvproxy.storage.shared.lease import Lease
+from kvproxy.storage.shared.lease import SWEEP, Lease
 from kvproxy.telemetry import metrics
 
 log = logging.getLogger("kvproxy.store")
 
-LEASE = "sweep"
 LEASE_SECONDS = 900.0   # a sweep longer than this stops deleting and leaves the rest
+SETTLE_SECONDS = 5.0    # for uploads that saw the lease free to write their session object
 
 
 @dataclass(frozen=True)
@@ -53,12 +59,14 @@ class Sweeper:
     """This node's sweeps of ``bucket``."""
 
     def __init__(self, bucket: Bucket, grace: float, minutes: float, node: str = "",
-                 known=None, lease_seconds: float = LEASE_SECONDS):
+                 known=None, lease_seconds: float = LEASE_SECONDS,
+                 settle: float = SETTLE_SECONDS):
         self.bucket = bucket
         self.grace = grace
         self.minutes = minutes
-        self.lease = Lease(bucket, LEASE, node or node_id(), lease_seconds)
+        self.lease = Lease(bucket, SWEEP, node or node_id(), lease_seconds)
         self.known = known
+        self.settle = settle
         self._lock = threading.Lock()   # one sweep at a time in this process
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -73,6 +81,7 @@ class Sweeper:
                 return Outcome(False, holder=other.node if other else None,
                                until=other.expires if other else None)
             try:
+                time.sleep(self.settle)
                 done = sweeping.sweep(self.bucket, self.grace, self.lease.left)
             except StoreError:
                 metrics.STORE_SWEEPS.labels("failed").inc()

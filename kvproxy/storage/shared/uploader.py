@@ -6,7 +6,9 @@ takes the waiting entry's place), at most ``limit`` of them; past it the oldest 
 dropped and counted, its local copy kept. A failed upload goes back to the head of the queue
 and the thread waits before trying again, twice as long each time up to ``MAX_BACKOFF``
 seconds, so a store outage costs no request anything: ``problem`` says why for ``/health``
-and clears with the next upload that succeeds.
+and clears with the next upload that succeeds. While another node sweeps the bucket, uploads
+wait the same way (not a failure; ``publish`` says why), and a session object written as a
+sweep began is queued once more to have its chunks checked (``Recheck``).
 """
 from __future__ import annotations
 
@@ -35,6 +37,14 @@ class Deletion:
     files: object
 
 
+@dataclass(frozen=True)
+class Recheck:
+    """A queue entry: the session's save is in the bucket, but a sweep began while it was
+    written, so each chunk it names is looked at again (and put back if missing)."""
+
+    files: object
+
+
 def next_backoff(current: float) -> float:
     """The wait after one more failure in a row."""
     return min(MAX_BACKOFF, max(FIRST_BACKOFF, current * 2))
@@ -47,7 +57,7 @@ class Uploader:
         self.bucket = bucket
         self.limit = limit
         self.known = publishing.KnownChunks()
-        # stem -> its ChunkedFiles (upload its newest save), or a Deletion
+        # stem -> its ChunkedFiles (upload its newest save), a Recheck or a Deletion
         self._pending: OrderedDict[str, object] = OrderedDict()
         self._busy: str | None = None
         self._cond = threading.Condition()
@@ -152,14 +162,20 @@ class Uploader:
             stem, files = job
             try:
                 started = time.monotonic()
-                done = publishing.unpublish(self.bucket, stem) if isinstance(files, Deletion) \
-                    else publishing.publish(self.bucket, files, stem, self.known)
+                done = self._carry_out(stem, files)
                 metrics.observe_upload(done.outcome, done.chunk_bytes, done.session_bytes,
                                        time.monotonic() - started)
                 if done.outcome == publishing.NEWER_THERE:
                     log.info("did not upload %s: the store holds a later save of it", stem)
+                if done.outcome == publishing.SWEEP_UNDER_WAY:
+                    backoff = next_backoff(backoff)
+                    log.info("upload of %s waits %.1f s for a sweep of the shared store",
+                             stem, backoff)
+                    self._settle(stem, None, files)
+                    self._stop.wait(backoff)
+                    continue
                 backoff = 0.0
-                self._settle(stem, None)
+                self._settle(stem, None, Recheck(files) if done.recheck else None)
             except (StoreError, StorageError) as exc:   # the store, or the slot folder's lock
                 backoff = next_backoff(backoff)
                 metrics.STORE_UPLOAD_FAILURES.inc()
@@ -171,9 +187,16 @@ class Uploader:
                 log.exception("upload of %s to the shared store failed", stem)
                 self._settle(stem, None)
 
+    def _carry_out(self, stem: str, job) -> publishing.Published:
+        if isinstance(job, Deletion):
+            return publishing.unpublish(self.bucket, stem)
+        if isinstance(job, Recheck):
+            return publishing.publish(self.bucket, job.files, stem, self.known, recheck=True)
+        return publishing.publish(self.bucket, job, stem, self.known)
+
     def _settle(self, stem: str, problem: str | None, files=None) -> None:
-        """The end of one try: a failed upload goes back to the head of the queue unless a
-        newer save of it is already waiting."""
+        """The end of one try: ``files`` (a failed or postponed upload, or a recheck) goes
+        to the head of the queue unless a newer save of it is already waiting."""
         with self._cond:
             self._busy = None
             self._problem = problem
