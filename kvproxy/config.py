@@ -290,8 +290,10 @@ SETTINGS: tuple[Setting, ...] = (
             "local copy is kept."),
     Setting("store_fetch_seconds", "30", _timeout,
             "Longest a conversation missing from the slot folder may take to come from the "
-            "shared store (its session, then its chunks, several at once); past it, or when the "
-            "fetch fails, its prompt is computed, with one log line."),
+            "shared store (its session, then its chunks, several at once); a fetch is also not "
+            "made when it would take longer than computing the prompt, by this node's recent "
+            "figures, nor allowed to take longer than that (see the shared store's page). Past "
+            "it, or when the fetch fails, its prompt is computed, with one log line."),
     Setting("store_sweep_minutes", "60", _number(0, 525600),
             "Minutes between this node's tries to sweep the shared store of chunks no session "
             "object names (one node at a time, under a lease in the bucket); 0: never (POST "

@@ -8,13 +8,18 @@ import logging
 import pytest
 
 from kvproxy.sessions.identity import Session
+from kvproxy.slots.answer import CountTokens
+from kvproxy.slots.executor import SlotExecutor
 from kvproxy.storage.chunks import manifest
 from kvproxy.storage.chunks.files import ChunkedFiles
+from kvproxy.storage.folder import FolderFiles
 from kvproxy.storage.shared.bucket import Bucket
+from kvproxy.storage.shared.fetch import LEAST_DEADLINE, Race, fetch_or_compute
 from kvproxy.storage.shared.location import StoreLocation, user_of
 from kvproxy.storage.shared.publish import publish
 from kvproxy.storage.shared.store import SharedStore
 from kvproxy.storage.store import SessionStore
+from kvproxy.telemetry.pace import Pace
 from tests.slot_files import slot_file
 from tests.support import metric, save_chunked
 
@@ -121,3 +126,73 @@ def test_a_stored_chunk_of_the_wrong_size_never_reaches_the_folder(nodes, caplog
         assert not two.fetch(ALICE.stem)
     assert not two.chunks.has(key) and not two.has(ALICE.stem)
     assert "has 5 bytes" in caplog.text
+
+
+# -- fetch or compute ---------------------------------------------------------------------
+def test_while_either_pace_is_unknown_a_fetch_is_made_within_the_setting():
+    assert fetch_or_compute(1000, 10 << 20, None, None, 30) == Race(True, 30)
+    assert fetch_or_compute(1000, 10 << 20, 5.0, None, 30) == Race(True, 5.0)
+    assert fetch_or_compute(1000, 10 << 20, None, 99.0, 30) == Race(True, 30)
+
+
+def test_a_fetch_slower_than_computing_is_not_made_and_says_its_figures():
+    race = fetch_or_compute(6000, 300 << 20, 4.0, 12.5, 30)
+    assert not race.fetch
+    assert race.why == (f"fetching {300 << 20} bytes would take about 12.5 s, computing its "
+                        "6000 tokens about 4.0 s")
+
+
+def test_a_fetch_may_take_as_long_as_computing_would_within_bounds():
+    assert fetch_or_compute(6000, 1, 65.0, 1.4, 30) == Race(True, 30), "the setting caps it"
+    assert fetch_or_compute(6000, 1, 8.0, 1.4, 30) == Race(True, 8.0)
+    assert fetch_or_compute(50, 1, 0.1, 0.05, 30) == Race(True, LEAST_DEADLINE)
+
+
+def test_a_pace_is_learnt_from_runs_long_enough_to_tell():
+    pace = Pace(least_units=64)
+    assert pace.rate() is None and pace.seconds_for(100) is None
+    pace.note(10, 1.0)
+    assert pace.rate() is None, "a short run tells no pace"
+    pace.note(1000, 2.0)
+    assert pace.rate() == 500 and pace.seconds_for(1500) == 3.0
+    pace.note(1000, 1.0)
+    assert 500 < pace.rate() < 1000, "recent runs move it, one run does not replace it"
+    pace.note(1000, 0)
+    assert 500 < pace.rate() < 1000
+
+
+def test_a_fetch_slower_than_computing_the_prompt_leaves_nothing_and_says_why(nodes, caplog):
+    one, two, shared = nodes
+    save_chunked(one, ALICE.stem, TOKENS)
+    publish(shared.bucket, one, ALICE.stem)
+    quick_prefill = Pace()
+    quick_prefill.note(1_000_000, 1.0)        # a million tokens a second
+    shared.download.note(2 << 20, 100.0)      # 21 KB a second
+    slower = metric("kvproxy_store_fetches_total", outcome="slower than computing")
+    with caplog.at_level(logging.INFO, logger="kvproxy.store"):
+        assert not two.fetch(ALICE.stem, quick_prefill)
+    assert not two.has(ALICE.stem) and list(two.chunks.keys()) == []
+    assert f"computing {ALICE.stem} instead of fetching it" in caplog.text
+    assert f"computing its {len(TOKENS)} tokens" in caplog.text
+    assert metric("kvproxy_store_fetches_total", outcome="slower than computing") - slower == 1
+    slow_prefill = Pace()
+    slow_prefill.note(100, 100.0)             # one token a second: fetching is quicker
+    assert two.fetch(ALICE.stem, slow_prefill)
+    assert restored(two, ALICE.stem) == slot_file(TOKENS)
+
+
+def test_the_prefill_pace_is_learnt_from_answers_and_weighs_each_fetch(tmp_path):
+    """llama-server's prompt timings of each answer teach the pace; a swap's fetch on miss is
+    weighed with it."""
+    asked = []
+
+    class Folder(FolderFiles):
+        def fetch(self, stem, prefill=None):
+            asked.append((stem, prefill))
+            return False
+    store = SessionStore(tmp_path)
+    executor = SlotExecutor(None, store, None, Folder(store))
+    executor.perform(CountTokens(reused=0, computed=1000, computed_ms=2000.0))
+    assert executor.memory.prefill.rate() == 500
+    assert not executor.facts.file_facts("elsewhere", fetch=True).on_disk
+    assert asked == [("elsewhere", executor.memory.prefill)]

@@ -19,9 +19,11 @@ from kvproxy.slots.state import Phase, SlotState
 
 @dataclass(frozen=True)
 class CountTokens:
-    """The request's prompt tokens, reused and computed, for ``/metrics``."""
+    """The request's prompt tokens, reused and computed, for ``/metrics``; and how long the
+    computing took, for this node's prefill pace (fetch or compute: ``SlotMemory.prefill``)."""
     reused: int
     computed: int
+    computed_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,8 @@ def after_answer(facts: AnswerFacts) -> list[AnswerAction]:
     figures, timings, session, slot = facts.figures, facts.timings, facts.session, facts.slot
     cache_n = int(figures.get("cache_n") or 0)
     actions: list[AnswerAction] = [
-        CountTokens(cache_n, int(timings.get("prompt_n") or 0))]
+        CountTokens(cache_n, int(timings.get("prompt_n") or 0),
+                    float(timings.get("prompt_ms") or 0))]
     if timings:
         actions.append(RanATask())
     if session.persistent and facts.deleted:

@@ -118,6 +118,7 @@ class SlotExecutor:
         elif isinstance(action, answer.CountTokens):
             metrics.TOKENS.labels("reused").inc(action.reused)
             metrics.TOKENS.labels("computed").inc(action.computed)
+            self.memory.prefill.note(action.computed, action.computed_ms / 1000)
         elif isinstance(action, answer.RanATask):
             self.memory.ran_a_task()
         elif isinstance(action, answer.NoteWitness):

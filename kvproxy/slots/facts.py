@@ -90,7 +90,7 @@ class SlotFacts:
         fetched_ms = None
         if not self.files.has(stem):
             started = time.monotonic()
-            if not (fetch and self.files.fetch(stem)):
+            if not (fetch and self.files.fetch(stem, self.memory.prefill)):
                 return FileFacts(stem)
             fetched_ms = (time.monotonic() - started) * 1000
         sidecar, problem = self.files.check(stem)

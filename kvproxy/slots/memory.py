@@ -16,8 +16,10 @@ from typing import Any
 from kvproxy.sessions.identity import Session
 from kvproxy.slots import instance, plan
 from kvproxy.slots.state import Phase, SlotState, claimed_for, filled_with
+from kvproxy.telemetry.pace import Pace
 
 log = logging.getLogger("kvproxy.switch")
+PREFILL_LEAST_TOKENS = 64   # shorter prefills are mostly fixed costs: they tell no pace
 
 
 class SlotMemory:
@@ -38,6 +40,8 @@ class SlotMemory:
         self._unrecorded: dict[int, tuple[Session, int, str]] = {}
         # per slot: when this process last wrote its used_at alone (see answer.after_answer)
         self._used_at_written: dict[int, float] = {}
+        # prompt tokens per second llama-server computed lately (fetch or compute: ``facts``)
+        self.prefill = Pace(least_units=PREFILL_LEAST_TOKENS)
 
     # -- /slots --------------------------------------------------------------------------
     def note_listing(self, slots: Any) -> dict | None:

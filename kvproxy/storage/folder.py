@@ -14,6 +14,7 @@ from typing import Callable, ContextManager, Iterable, Iterator
 from kvproxy.storage import checked_save, quarantine, sweep
 from kvproxy.storage.budget import DiskBudget, DroppedSaves
 from kvproxy.storage.store import SessionStore
+from kvproxy.telemetry.pace import Pace
 
 
 class FolderFiles:
@@ -42,7 +43,7 @@ class FolderFiles:
     def has(self, stem: str) -> bool:
         return self.store.has_bin(stem)
 
-    def fetch(self, stem: str) -> bool:
+    def fetch(self, stem: str, prefill: Pace | None = None) -> bool:
         """One folder, nothing to fetch from (``ChunkedFiles`` fetches from a shared store)."""
         return False
 

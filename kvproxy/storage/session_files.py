@@ -20,6 +20,7 @@ from typing import Callable, ContextManager, Iterable, Protocol
 
 from kvproxy.storage.checked_save import NotAsRecorded, SaveFailed  # noqa: F401 - its failures
 from kvproxy.storage.chunks.index import Prefix
+from kvproxy.telemetry.pace import Pace
 
 
 class DroppedSavesView(Protocol):
@@ -56,9 +57,10 @@ class SessionFiles(Protocol):
         """Whether a saved file of ``stem`` exists."""
         ...
 
-    def fetch(self, stem: str) -> bool:
+    def fetch(self, stem: str, prefill: Pace | None = None) -> bool:
         """Bring ``stem`` from a store behind this one when it is missing here (the shared
-        store); whether it is here now. Never raises: a failure means computing it."""
+        store); whether it is here now. Never raises: a failure, or a fetch slower than
+        computing the prompt at ``prefill``'s pace (tokens per second), means computing it."""
         ...
 
     def check(self, stem: str) -> tuple[dict | None, str | None]:

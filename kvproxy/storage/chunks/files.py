@@ -34,6 +34,7 @@ from kvproxy.storage.folder import FolderFiles
 from kvproxy.storage.store import (CHUNK_LOCK, SessionStore, StorageError,
                                    unlink_with_companions)
 from kvproxy.telemetry import metrics
+from kvproxy.telemetry.pace import Pace
 from kvproxy.upstream import slot_layout
 
 log = logging.getLogger("kvproxy.disk")
@@ -176,12 +177,13 @@ class ChunkedFiles(FolderFiles):
         finally:
             path.unlink(missing_ok=True)
 
-    def fetch(self, stem: str) -> bool:
+    def fetch(self, stem: str, prefill: Pace | None = None) -> bool:
         """Fetch on miss: bring ``stem`` from the shared store when the folder lacks it;
-        whether it is here now (False: no shared store, not there, or the fetch failed)."""
+        whether it is here now (False: no shared store, not there, the fetch failed, or it
+        would be slower than computing the prompt at ``prefill``'s pace, a ``Pace``)."""
         if self.shared is None or self.has(stem):
             return False
-        return self.shared.fetch(self, stem)
+        return self.shared.fetch(self, stem, prefill)
 
     def check(self, stem: str) -> tuple[dict | None, str | None]:
         if self.store.bin_path(stem).is_file():

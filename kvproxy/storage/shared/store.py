@@ -18,8 +18,11 @@ from kvproxy.storage.shared.location import StoreLocation
 from kvproxy.storage.shared.sweeper import Sweeper, node_id
 from kvproxy.storage.shared.uploader import Uploader
 from kvproxy.telemetry import metrics
+from kvproxy.telemetry.pace import Pace
 
 log = logging.getLogger("kvproxy.store")
+
+LEAST_DOWNLOAD = 1 << 20   # bytes: smaller fetches teach nothing of the store's speed
 
 
 class SharedStore:
@@ -30,6 +33,7 @@ class SharedStore:
         self.bucket = bucket
         self.uploader = Uploader(bucket, queue)
         self.fetch_seconds = fetch_seconds
+        self.download = Pace(least_units=LEAST_DOWNLOAD)   # bytes per second of fetches
         self.sweeper = Sweeper(bucket, sweep_grace, sweep_minutes, node_id(node),
                                self.uploader.known)
 
@@ -70,19 +74,31 @@ class SharedStore:
         """``stem`` was deleted from ``files``' slot folder through the admin API."""
         self.uploader.deleted(files, stem)
 
-    def fetch(self, files, stem: str) -> bool:
-        """Fetch on miss: whether ``stem`` is now in ``files``' slot folder. A failure is
-        one log line, and the caller computes the prompt instead."""
+    def fetch(self, files, stem: str, prefill: Pace | None = None) -> bool:
+        """Fetch on miss: whether ``stem`` is now in ``files``' slot folder. A failure, or a
+        fetch slower than computing the prompt at ``prefill``'s pace, is one log line, and
+        the caller computes the prompt instead."""
         started = time.monotonic()
+
+        def race(tokens: int, n_bytes: int) -> fetching.Race:
+            compute_s = prefill.seconds_for(tokens) if prefill is not None and tokens else None
+            return fetching.fetch_or_compute(tokens, n_bytes, compute_s,
+                                             self.download.seconds_for(n_bytes),
+                                             self.fetch_seconds)
         try:
-            done = fetching.fetch(self.bucket, files, stem, self.fetch_seconds)
+            done = fetching.fetch(self.bucket, files, stem, self.fetch_seconds, race)
         except (StoreError, StorageError) as exc:
             metrics.observe_fetch("failed", 0, time.monotonic() - started)
             log.warning("could not fetch %s from the shared store, computing it instead: %s",
                         stem, exc)
             return False
         metrics.observe_fetch(done.outcome, done.bytes, done.seconds)
+        if done.outcome == fetching.SLOWER:
+            log.info("computing %s instead of fetching it from the shared store: %s", stem,
+                     done.why)
+            return False
         if done.outcome == fetching.FOUND:
+            self.download.note(done.bytes, done.seconds)
             log.info("fetched %s from the shared store: %d chunk(s), %d bytes in %.2f s",
                      stem, done.chunks, done.bytes, done.seconds)
             return True
