@@ -101,63 +101,80 @@ def sweep(bucket: Bucket, grace: float, lease_left: Callable[[], float],
 
     listed = bucket.listing(where.users())   # per user, chunks come before sessions
     chunks, listed_sessions = of_kind(listed, "chunks"), of_kind(listed, "sessions")
-    stored = sum(item.size for item in chunks + listed_sessions)
     sessions = read_sessions(bucket, listed_sessions)
     named = {name for session in sessions for name in session.names}
-    doomed_now = doomed(chunks, named, clock(), grace)
-    plan = evict(chunks, sessions, budget, going={item.key for item in doomed_now})
+    unnamed = doomed(chunks, named, clock(), grace)
+    plan = evict(chunks, sessions, budget, going={item.key for item in unnamed})
 
+    # The second look: sessions written since the listing keep what they name, and are not
+    # evicted (nor, this time, any conversation the first plan kept).
     seen = {(item.key, item.etag) for item in listed_sessions}
     etags = {item.key: item.etag for item in listed_sessions}
     fresh: list[StoredSession] = []
-    for prefix in sorted({user(item.key) for item in doomed_now} | set(map(user, plan.sessions))):
+    for prefix in sorted({user(item.key) for item in unnamed} | set(map(user, plan.sessions))):
         again = [item for item in of_kind(bucket.listing(where.sessions(prefix)), "sessions")
                  if (item.key, item.etag) not in seen]
         etags.update((item.key, item.etag) for item in again)
         fresh += read_sessions(bucket, again)
     if fresh:
         named |= {name for session in fresh for name in session.names}
-        doomed_now = doomed(doomed_now, named, clock(), grace)
-        rewritten = {session.key for session in fresh}
-        sessions = [s for s in sessions if s.key not in rewritten] + fresh
-        may_go = set(plan.sessions) - rewritten
-        plan = evict(chunks, sessions, budget, going={item.key for item in doomed_now},
-                     keep={session.key for session in sessions} - may_go)
+        unnamed = doomed(unnamed, named, clock(), grace)
+        written = {session.key for session in fresh}
+        sessions = [s for s in sessions if s.key not in written] + fresh
+        plan = evict(chunks, sessions, budget, going={item.key for item in unnamed},
+                     keep={s.key for s in sessions} - (set(plan.sessions) - written))
 
+    evicted, kept_names, problem = evict_sessions(bucket, plan.sessions, etags, lease_left)
+    # Chunks only once no session object names them: a stop before leaves them unnamed, for
+    # the grace rule of a later sweep.
+    budget_chunks = [name for name in plan.chunks if name not in kept_names]
+    deleted: list[str] = []
+    if problem is None:
+        deleted, problem = delete_all(
+            bucket, budget_chunks + [item.key for item in unnamed if item.key not in kept_names],
+            lease_left)
     sizes = {item.key: item.size for item in listed}
-    evicted, kept_names, problem = [], set(), None
-    for key in plan.sessions:
+    evicted_chunks = deleted[:len(budget_chunks)]   # the budget's come first
+    return Swept(len(chunks), len(deleted), sum(sizes[key] for key in evicted + deleted),
+                 time.monotonic() - started, tuple(deleted), problem, len(evicted),
+                 len(evicted_chunks), sum(sizes[key] for key in evicted + evicted_chunks),
+                 sum(item.size for item in chunks + listed_sessions), max(budget, 0))
+
+
+def evict_sessions(bucket: Bucket, keys, etags: dict[str, str],
+                   lease_left: Callable[[], float]) -> tuple[list[str], set[str], str | None]:
+    """Delete the session objects ``keys``, each only when it is still the one listed (its
+    ETag in ``etags``): one saved again since is kept. Returns those deleted, the chunk
+    names the kept ones name (which must stay), and why it stopped early, if it did."""
+    evicted, kept_names = [], set()
+    for key in keys:
         if lease_left() < MARGIN:
-            problem = LEASE_LOW
-            break
+            return evicted, kept_names, LEASE_LOW
         try:
             head = bucket.head(key)
-            if head is not None and head.etag != etags[key]:   # saved again since: kept
+            if head is None:   # deleted meanwhile (through the admin API): gone anyway
+                continue
+            if head.etag != etags[key]:
                 kept_names |= named_by(bucket, [Listed(key, head.size, head.etag, 0.0)])
                 continue
-            if head is not None:   # else deleted meanwhile (the admin API): gone anyway
-                bucket.delete(key)
-                evicted.append(key)
+            bucket.delete(key)
         except StoreError as exc:
-            problem = str(exc)
-            break
-    # Chunks only after every session object naming them went: a stop before leaves them
-    # unnamed, for the grace rule of a later sweep.
-    budget_chunks = [name for name in plan.chunks if name not in kept_names]
-    unnamed = [item.key for item in doomed_now if item.key not in kept_names]
+            return evicted, kept_names, str(exc)
+        evicted.append(key)
+    return evicted, kept_names, None
+
+
+def delete_all(bucket: Bucket, keys: list[str], lease_left: Callable[[], float]
+               ) -> tuple[list[str], str | None]:
+    """Delete ``keys`` in order while the lease allows: those deleted, and why it stopped
+    early, if it did."""
     deleted = []
-    for key in [] if problem else budget_chunks + unnamed:
+    for key in keys:
         if lease_left() < MARGIN:
-            problem = LEASE_LOW
-            break
+            return deleted, LEASE_LOW
         try:
             bucket.delete(key)
         except StoreError as exc:
-            problem = str(exc)
-            break
+            return deleted, str(exc)
         deleted.append(key)
-    evicted_chunks = deleted[:len(budget_chunks)]
-    evicted_bytes = sum(sizes[key] for key in evicted + evicted_chunks)
-    return Swept(len(chunks), len(deleted), sum(sizes[key] for key in evicted + deleted),
-                 time.monotonic() - started, tuple(deleted), problem, len(evicted),
-                 len(evicted_chunks), evicted_bytes, stored, max(budget, 0))
+    return deleted, None
