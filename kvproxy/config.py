@@ -302,6 +302,11 @@ SETTINGS: tuple[Setting, ...] = (
             "Age a chunk of the shared store must reach before a sweep may delete it when no "
             "session object names it: longer than any upload takes (an upload writes its "
             "chunks before the session object that names them)."),
+    Setting("store_max_gb", "0", _gigabytes,
+            "Size budget of the shared store (GiB of chunks and session objects, every user's), "
+            "kept by its sweeps: over it, the least recently saved conversations are evicted "
+            "from the store, their session objects and the chunks no other conversation names; "
+            "nodes keep their local copies. 0: no budget."),
     Setting("max_disk_gb", "100", _gigabytes,
             "Upper bound on the slot folder's size; before a save the least recently used slot files "
             "are deleted to keep it (0: no bound)."),

@@ -186,6 +186,12 @@ def cmd_sweep(client: AdminClient, args) -> tuple[Any, str]:
         return answer, f"not swept: {answer.get('holder') or 'another node'} holds the sweep lease"
     text = (f"swept: {answer['checked']} chunks checked, {answer['deleted']} deleted, "
             f"{human_bytes(answer['freed_bytes'])} freed in {answer['seconds']:.2f} s")
+    if answer.get("budget_bytes"):
+        text += (f"; {human_bytes(answer['stored_bytes'])} stored, budget "
+                 f"{human_bytes(answer['budget_bytes'])}: " +
+                 (f"{answer['evicted']} conversation(s) evicted with "
+                  f"{answer['evicted_chunks']} chunk(s), {human_bytes(answer['evicted_bytes'])}"
+                  if answer.get("evicted") else "nothing evicted"))
     if answer.get("problem"):
         text += f" (stopped: {answer['problem']})"
     return answer, text
@@ -296,8 +302,9 @@ COMMANDS: dict[str, tuple[Callable, str]] = {
     "rm": (cmd_rm, "delete a saved session (exit 1 when there is none)"),
     "clear": (cmd_clear, "save the sessions the slots hold, then empty them (--slot N: one)"),
     "stats": (cmd_stats, "hit ratio, tokens reused and computed, disk"),
-    "sweep": (cmd_sweep, "sweep the shared store of chunks no session names, now (one node "
-                         "at a time)"),
+    "sweep": (cmd_sweep, "sweep the shared store of chunks no session names, and over "
+                         "KVPROXY_STORE_MAX_GB of its least recently saved conversations, now "
+                         "(one node at a time)"),
 }
 
 

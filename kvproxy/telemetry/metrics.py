@@ -136,14 +136,33 @@ STORE_SWEEP_DELETED = Counter("kvproxy_store_sweep_chunks_deleted_total",
                               "Unnamed chunks a sweep deleted from the shared store",
                               registry=REGISTRY)
 STORE_SWEEP_FREED = Counter("kvproxy_store_sweep_freed_bytes_total",
-                            "Bytes of the chunks a sweep deleted", registry=REGISTRY)
+                            "Bytes a sweep deleted from the shared store: chunks, and the "
+                            "session objects the size budget evicted", registry=REGISTRY)
+STORE_SWEEP_EVICTED = Counter("kvproxy_store_sweep_sessions_evicted_total",
+                              "Conversations (session objects) a sweep evicted from the shared "
+                              "store to keep KVPROXY_STORE_MAX_GB; nodes keep their local copies",
+                              registry=REGISTRY)
+STORE_SWEEP_EVICTED_CHUNKS = Counter("kvproxy_store_sweep_chunks_evicted_total",
+                                     "Of the chunks a sweep deleted, those only evicted "
+                                     "conversations named", registry=REGISTRY)
+STORE_SWEEP_EVICTED_BYTES = Counter("kvproxy_store_sweep_evicted_bytes_total",
+                                    "Of the bytes a sweep freed, those the size budget evicted "
+                                    "(session objects and their chunks)", registry=REGISTRY)
+STORE_SWEEP_STORED = Gauge("kvproxy_store_sweep_stored_bytes",
+                           "Bytes of chunks and session objects in the shared store when this "
+                           "node last swept it, before deleting", registry=REGISTRY)
 
 
-def observe_sweep(checked: int, deleted: int, freed: int) -> None:
+def observe_sweep(done) -> None:
+    """A sweep that ran (``sweep.Swept``)."""
     STORE_SWEEPS.labels("swept").inc()
-    STORE_SWEEP_CHECKED.inc(checked)
-    STORE_SWEEP_DELETED.inc(deleted)
-    STORE_SWEEP_FREED.inc(freed)
+    STORE_SWEEP_CHECKED.inc(done.checked)
+    STORE_SWEEP_DELETED.inc(done.deleted)
+    STORE_SWEEP_FREED.inc(done.freed)
+    STORE_SWEEP_EVICTED.inc(done.evicted)
+    STORE_SWEEP_EVICTED_CHUNKS.inc(done.evicted_chunks)
+    STORE_SWEEP_EVICTED_BYTES.inc(done.evicted_bytes)
+    STORE_SWEEP_STORED.set(done.stored)
 
 
 STORE_FETCHES = Counter("kvproxy_store_fetches_total",

@@ -29,13 +29,14 @@ class SharedStore:
     """The bucket and this process's upload queue."""
 
     def __init__(self, bucket: Bucket, queue: int = 256, fetch_seconds: float = 30.0,
-                 sweep_grace: float = 3600.0, sweep_minutes: float = 0, node: str = ""):
+                 sweep_grace: float = 3600.0, sweep_minutes: float = 0, node: str = "",
+                 budget: int = 0):
         self.bucket = bucket
         self.uploader = Uploader(bucket, queue)
         self.fetch_seconds = fetch_seconds
         self.download = Pace(least_units=LEAST_DOWNLOAD)   # bytes per second of fetches
         self.sweeper = Sweeper(bucket, sweep_grace, sweep_minutes, node_id(node),
-                               self.uploader.known)
+                               self.uploader.known, budget=budget)
 
     @classmethod
     def of(cls, settings) -> "SharedStore | None":
@@ -44,7 +45,7 @@ class SharedStore:
         return cls(Bucket(StoreLocation.parse(settings.store_url), settings.store_timeout),
                    settings.store_queue, settings.store_fetch_seconds,
                    settings.store_sweep_grace_seconds, settings.store_sweep_minutes,
-                   settings.node_name)
+                   settings.node_name, int(settings.store_max_gb * 1024**3))
 
     @property
     def url(self) -> str:

@@ -47,7 +47,12 @@ class Outcome:
                 "checked": done.checked if done else 0, "deleted": done.deleted if done else 0,
                 "freed_bytes": done.freed if done else 0,
                 "seconds": round(done.seconds, 3) if done else 0.0,
-                "problem": done.problem if done else None}
+                "problem": done.problem if done else None,
+                "evicted": done.evicted if done else 0,
+                "evicted_chunks": done.evicted_chunks if done else 0,
+                "evicted_bytes": done.evicted_bytes if done else 0,
+                "stored_bytes": done.stored if done else 0,
+                "budget_bytes": done.budget if done else 0}
 
 
 def node_id(name: str = "") -> str:
@@ -59,13 +64,14 @@ class Sweeper:
     """This node's sweeps of ``bucket``."""
 
     def __init__(self, bucket: Bucket, grace: float, minutes: float, node: str = "",
-                 known=None, lease_seconds: float = LEASE_SECONDS,
+                 known=None, lease_seconds: float = LEASE_SECONDS, budget: int = 0,
                  settle: float = SETTLE_SECONDS):
         self.bucket = bucket
         self.grace = grace
         self.minutes = minutes
         self.lease = Lease(bucket, SWEEP, node or node_id(), lease_seconds)
         self.known = known
+        self.budget = budget   # bytes (KVPROXY_STORE_MAX_GB; 0: none)
         self.settle = settle
         self._lock = threading.Lock()   # one sweep at a time in this process
         self._stop = threading.Event()
@@ -82,7 +88,8 @@ class Sweeper:
                                until=other.expires if other else None)
             try:
                 time.sleep(self.settle)
-                done = sweeping.sweep(self.bucket, self.grace, self.lease.left)
+                done = sweeping.sweep(self.bucket, self.grace, self.lease.left,
+                                      budget=self.budget)
             except StoreError:
                 metrics.STORE_SWEEPS.labels("failed").inc()
                 raise
@@ -92,10 +99,8 @@ class Sweeper:
                 except StoreError as exc:   # it expires by itself
                     log.warning("could not release the sweep lease: %s", exc)
         self._forget(done.deleted_keys)
-        metrics.observe_sweep(done.checked, done.deleted, done.freed)
-        log.info("swept the shared store: %d chunk(s) checked, %d deleted, %d bytes freed in "
-                 "%.2f s%s", done.checked, done.deleted, done.freed, done.seconds,
-                 f" (stopped: {done.problem})" if done.problem else "")
+        metrics.observe_sweep(done)
+        log.info("swept the shared store: %s", done.summary())
         return Outcome(True, done)
 
     def _forget(self, names) -> None:
