@@ -81,3 +81,37 @@ def test_a_conversation_saved_on_a_lost_node_resumes_from_the_store_on_another(
         assert "fetched " in log and "from the shared store" in log
     finally:
         second.stop()
+
+
+def test_a_new_conversation_on_a_fresh_node_starts_from_a_base_its_user_stored(
+        tmp_path, store_url):
+    """A long system prompt's base snapshot (one per user with API keys, as on one node),
+    made on one node, is fetched by a node that never saw the prompt when a new conversation
+    of that user behind it arrives there; another user's is not."""
+    bucket = Bucket(StoreLocation.parse(store_url), 10)
+    env = {"KVPROXY_STORE_URL": store_url, **KEYS}
+    system = {"role": "system", "content": "Rules of the house:\n" + long_text(700, seed=3802)}
+    first = Stack(tmp_path / "a", llama_args={"cache_ram_mib": 0}, **env).start()
+    try:
+        cache, _, prompt, _ = chat(first, ALICE, "base-1",
+                                   [system, {"role": "user", "content": "Rule one?"}])
+        assert cache == "miss" and prompt > 700
+        deadline = time.monotonic() + 90
+        while not any(name.rpartition("/")[2].startswith("base.")
+                      for name in uploaded(bucket, owner_tag("alice"))):
+            assert time.monotonic() < deadline, "the base snapshot never reached the bucket"
+            time.sleep(0.5)
+    finally:
+        first.stop()
+
+    second = Stack(tmp_path / "b", llama_args={"cache_ram_mib": 0}, **env).start()
+    try:
+        cache, cached, _, _ = chat(second, BOB, "base-2",
+                                   [system, {"role": "user", "content": "Rule two?"}])
+        assert cache == "miss" and cached < 64 and chat.fetched is None, "not another's base"
+        cache, cached, total, _ = chat(second, ALICE, "base-3",
+                                       [system, {"role": "user", "content": "Rule three?"}])
+        assert cache == "base" and cached >= 0.9 * total, (cache, cached, total)
+        assert chat.fetched and chat.fetched.startswith("store; ms="), chat.fetched
+    finally:
+        second.stop()

@@ -7,9 +7,10 @@ import logging
 
 import pytest
 
-from kvproxy.sessions.identity import Session
+from kvproxy.sessions.identity import Session, base_stem
 from kvproxy.slots.answer import CountTokens
 from kvproxy.slots.executor import SlotExecutor
+from kvproxy.slots.state import SlotState
 from kvproxy.storage.chunks import manifest
 from kvproxy.storage.chunks.files import ChunkedFiles
 from kvproxy.storage.folder import FolderFiles
@@ -196,3 +197,40 @@ def test_the_prefill_pace_is_learnt_from_answers_and_weighs_each_fetch(tmp_path)
     assert executor.memory.prefill.rate() == 500
     assert not executor.facts.file_facts("elsewhere", fetch=True).on_disk
     assert asked == [("elsewhere", executor.memory.prefill)]
+
+
+class Fetching(FolderFiles):
+    """A slot folder holding ``here``; records what the swap asks it to fetch."""
+
+    def __init__(self, store, here=()):
+        super().__init__(store)
+        self.here, self.asked = set(here), []
+
+    def has(self, stem):
+        return stem in self.here
+
+    def fetch(self, stem, prefill=None):
+        self.asked.append(stem)
+        return False
+
+
+def swap_facts_of(tmp_path, session, here=()):
+    store = SessionStore(tmp_path)
+    files = Fetching(store, here)
+    executor = SlotExecutor(None, store, None, files)
+    executor.facts.swap_facts(0, SlotState(), session, "", {}, False, True, None)
+    return files.asked
+
+
+def test_without_its_own_file_a_conversation_fetches_its_seed_and_its_base(tmp_path):
+    session = Session("new", "header", system_hash="s" * 16, seed="old-key", owner="alice",
+                      model="m")
+    assert swap_facts_of(tmp_path, session) == [session.stem, session.seed_stem,
+                                                 base_stem(session.base_hash, "m")]
+    assert swap_facts_of(tmp_path, session, here={session.seed_stem}) == [session.stem], \
+        "a seed at hand: no base fetched"
+
+
+def test_with_its_own_file_a_conversation_fetches_nothing_else(tmp_path):
+    session = Session("new", "header", system_hash="s" * 16, seed="old-key", model="m")
+    assert swap_facts_of(tmp_path, session, here={session.stem}) == []

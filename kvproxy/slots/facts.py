@@ -100,10 +100,14 @@ class SlotFacts:
                    made_by: dict, restoring_off: bool, base_snapshots: bool,
                    prompt: PromptView | None) -> SwapFacts:
         own = self.file_facts(session.stem, fetch=True) if session.persistent else None
-        base = self.file_facts(base_stem(session.base_hash, session.model)) \
-            if session.persistent and session.base_hash and base_snapshots else None
-        seed = self.file_facts(session.seed_stem) \
+        # What may stand in for the conversation's own file is fetched only without it: the
+        # conversation it follows or forks from first, else its system prompt's base.
+        lacking = own is None or not own.on_disk
+        seed = self.file_facts(session.seed_stem, fetch=lacking) \
             if session.persistent and session.seed else None
+        base = self.file_facts(base_stem(session.base_hash, session.model),
+                               fetch=lacking and not (seed and seed.on_disk)) \
+            if session.persistent and session.base_hash and base_snapshots else None
         prefix = self.prefix_facts(session, prompt, base) \
             if plan.looks_for_prefix(session, own, restoring_off, prompt is not None) else None
         facts = SwapFacts(slot, state, session, view, made_by, restoring_off, own, base,

@@ -104,7 +104,8 @@ class SlotSwaps:
         log.info("swap to session=%s source=%s cache=%s slot=%s restored_tokens=%d swap_ms=%.1f "
                  "id_slot=%d placed=%s", session.id, session.source, filled.cache, view,
                  filled.tokens, swap_ms, slot, placed or "admin")
-        fetched = facts.own if facts.own is not None and filled.stem == facts.own.stem else None
+        fetched = next((found for found in (facts.own, facts.seed, facts.base, facts.prefix)
+                        if found is not None and found.stem == filled.stem), None)
         return Lease(session, filled.cache, filled.tokens, swap_ms, filled.stem, made_by,
                      prompt, slot=slot, prefill=filled.prefill, restore_ms=filled.restore_ms,
                      restored_saved_at=filled.saved_at,
