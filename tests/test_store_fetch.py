@@ -55,6 +55,23 @@ def test_a_session_another_node_saved_is_fetched_and_put_together_byte_for_byte(
     assert not two.fetch(ALICE.stem), "a session the folder has is not fetched again"
 
 
+def test_a_session_fetched_and_carried_on_by_one_node_is_fetched_by_the_next(nodes, tmp_path):
+    """Node two fetched it and saved a later turn (its sidecar names the fetch), node three
+    fetches that save: the lost node, the node that took over, then a new node."""
+    one, two, shared = nodes
+    save_chunked(one, ALICE.stem, TOKENS[:48])
+    publish(shared.bucket, one, ALICE.stem)
+    assert two.fetch(ALICE.stem)
+    first = two.store.read_sidecar(ALICE.stem)["fetched_generation"]
+    save_chunked(two, ALICE.stem, TOKENS, saved_at="2026-12-06T00:00:01.000+00:00", merged=True)
+    assert two.store.read_sidecar(ALICE.stem)["fetched_generation"] == first
+    publish(shared.bucket, two, ALICE.stem)
+    three = ChunkedFiles(SessionStore(tmp_path / "three"), chunk_tokens=C, shared=shared)
+    assert three.fetch(ALICE.stem)
+    assert restored(three, ALICE.stem) == slot_file(TOKENS)
+    assert three.store.read_sidecar(ALICE.stem)["fetched_generation"] == first + 1000
+
+
 def test_only_the_chunks_the_folder_lacks_are_fetched(nodes):
     one, two, shared = nodes
     save_chunked(one, ALICE.stem, TOKENS)
