@@ -22,16 +22,17 @@ import shutil
 import time
 from dataclasses import dataclass, field
 
+import botocore.exceptions
 import openai
 import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import long_text
-from tests.nginx_harness import Cluster, kill_pair, node_of
 from kvproxy.launch.seaweed import MISSING, WeedMini, weed_binary
 from kvproxy.storage.shared.location import NO_USER, StoreLocation
 from kvproxy.storage.shared.session_object import decode
+from tests.conftest import long_text
+from tests.nginx_harness import Cluster, kill_pair, node_of
 
 pytestmark = [pytest.mark.real, pytest.mark.deploy]
 
@@ -118,8 +119,8 @@ def until_in_store(store: WeedMini, location: StoreLocation,
     while True:
         try:
             stored = stored_tokens(store, location)
-        except Exception:     # the store still starting: asked again below, within the bound
-            stored = {}
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError):
+            stored = {}       # the store still starting: asked again, within the bound
         missing = [c.id for c in conversations
                    if stored.get(c.id, 0) < c.turns[-1].prompt_tokens]
         if not missing:
@@ -145,11 +146,12 @@ def until_health(url: str, status: str, timeout: float) -> dict:
         time.sleep(0.5)
 
 
-def store_counter(url: str, name: str) -> float:
-    """A store counter of a node's /metrics, summed over its labels."""
+def store_figure(url: str, name: str, **labels: str) -> float:
+    """A sample of a node's /metrics, summed over the labels not named."""
     text = requests.get(url + "/metrics", timeout=30).text
     return sum(sample.value for family in text_string_to_metric_families(text)
-               for sample in family.samples if sample.name == name)
+               for sample in family.samples if sample.name == name
+               and all(sample.labels.get(k) == v for k, v in labels.items()))
 
 
 def sessions_on(url: str, node: str, prefix: str, count: int) -> list[str]:
@@ -275,30 +277,38 @@ def test_answers_continue_while_the_store_is_down_and_reach_it_when_it_returns(
         conversation.ask(url)
     until_in_store(store, location, conversations)
     pair = cluster.pairs[node]
-    dropped_before = store_counter(pair.url, "kvproxy_store_uploads_dropped_total")
+    dropped_before = store_figure(pair.url, "kvproxy_store_uploads_dropped_total")
 
     store.stop()
     try:
         down = [conversation.ask(url) for conversation in conversations * 2]
+        failed_before = store_figure(pair.url, "kvproxy_store_fetches_total", outcome="failed")
+        fetching_before = store_figure(pair.url, "kvproxy_store_fetch_seconds_sum")
         new = fresh.ask(url)
+        failed = store_figure(pair.url, "kvproxy_store_fetches_total",
+                              outcome="failed") - failed_before
+        fetching = store_figure(pair.url, "kvproxy_store_fetch_seconds_sum") - fetching_before
         degraded = until_health(pair.url, "degraded", 60)
     finally:
         store.start()
     print(f"\nstore down: turns on {[t.node for t in down]}, cache {[t.cache for t in down]}, "
           f"reuse {[f'{t.reuse:.1%}' for t in down]}, turn s "
           f"{[round(t.seconds, 2) for t in down]}; a new conversation {new.cache} in "
-          f"{new.seconds:.2f} s; /health {degraded}")
+          f"{new.seconds:.2f} s, of which {fetching:.2f} s its failed lookup in the store; "
+          f"/health {degraded}")
     for turn in down:             # each swap restores the other from the node's slot folder
         assert turn.node == node and turn.fetched is None, turn
         assert turn.cache == "restored" and turn.reuse >= REUSE, turn
+    # the new conversation was looked up in the store, which failed, and was computed
     assert new.node == node and new.cache in ("miss", "base") and new.fetched is None, new
+    assert failed == 1, failed
     assert degraded["status"] == "degraded" and "store" in degraded, degraded
     assert "cannot reach the shared store" in degraded["store"], degraded
 
     came_back = [*conversations, fresh]
     took = until_in_store(store, location, came_back)
     healthy = until_health(pair.url, "ok", 60)
-    dropped = store_counter(pair.url, "kvproxy_store_uploads_dropped_total") - dropped_before
+    dropped = store_figure(pair.url, "kvproxy_store_uploads_dropped_total") - dropped_before
     print(f"store started again: the outage's turns of {[c.id for c in came_back]} in it "
           f"{took:.1f} s later; /health {healthy['status']}; uploads dropped {dropped:.0f}")
     assert healthy["status"] == "ok", healthy
