@@ -94,7 +94,8 @@ browser:
 test: setup swa-model seaweedfs nginx browser claude-cli
 	$(BIN)/python -m pytest -m "not deploy"
 
-# nginx in front of one and then two kvproxy + llama-server pairs (about 7 minutes).
+# nginx in front of one and then two kvproxy + llama-server pairs, and a cluster with the shared
+# store on a real SeaweedFS (about 7 minutes).
 test-deploy: setup seaweedfs nginx
 	$(BIN)/python -m pytest -m deploy
 

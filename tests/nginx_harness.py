@@ -4,13 +4,15 @@
 upstream ``server`` lines at test ports (the parameters of the first ``server`` line,
 such as max_fails, are kept for every address). ``Nginx`` runs it as a child process
 (``daemon off``, its own prefix, logs and temp folders in a temporary folder) on a free
-port, and stops it with the test.
+port, and stops it with the test. ``Cluster`` is the shipped cluster site in front of
+named kvproxy + llama-server pairs, as the cluster tests run it.
 """
 from __future__ import annotations
 
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -28,13 +30,26 @@ SERVER_LINE = re.compile(r"^(\s*)server\s+([^\s{;]+)([^;]*);[^\n]*\n", re.M)
 LISTEN_LINE = re.compile(r"^(\s*)listen\s+[^;]+;", re.M)
 
 
-def light_stack(tmp: Path, **proxy_env: str):
+def light_stack(tmp: Path, llama_args: dict | None = None, **proxy_env: str):
     """A llama-server + kvproxy pair whose llama-server uses one thread: several test servers
     on a shared 2-core machine slow each other down badly with llama.cpp's spinning threads."""
     from tests.conftest import Stack
-    stack = Stack(tmp, **proxy_env)
+    stack = Stack(tmp, llama_args=llama_args, **proxy_env)
     stack.llama.extra_args += ["-t", "1"]
     return stack
+
+
+def kill_pair(pair) -> None:
+    """A machine lost at once: SIGKILL to kvproxy's process group (gunicorn's master and
+    worker, so no exit save) and to llama-server's, both reaped before returning."""
+    for process in (pair.proxy.process, pair.llama.process):
+        if process is None:
+            continue
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait(10)
 
 
 def nginx_binary() -> str:
@@ -182,3 +197,61 @@ def session_from(address: str) -> requests.Session:
 def httpx_client_from(address: str, timeout: float = 300) -> httpx2.Client:
     """An HTTP client of the kind the openai and anthropic libraries use (httpx2), bound to ``address``."""
     return httpx2.Client(transport=httpx2.HTTPTransport(local_address=address), timeout=timeout)
+
+
+class Cluster:
+    """The shipped deploy/nginx/kvproxy-cluster.conf in front of kvproxy + llama-server pairs
+    (``light_stack``), one per name, each with its own slot folder under ``tmp/<name>``;
+    ``proxy_env`` and ``llama_args`` go to every pair. Every reply names its pair in
+    X-KVProxy-Node."""
+
+    def __init__(self, tmp: Path, names: tuple[str, ...] = ("node-a", "node-b"),
+                 llama_args: dict | None = None, **proxy_env: str):
+        self.tmp = tmp
+        self.llama_args = llama_args
+        self.proxy_env = proxy_env
+        self.pairs = {name: self.new_pair(name) for name in names}
+
+    def new_pair(self, name: str):
+        return light_stack(self.tmp / name, self.llama_args, KVPROXY_NODE_NAME=name,
+                           **self.proxy_env)
+
+    def start(self) -> "Cluster":
+        try:
+            for pair in self.pairs.values():
+                pair.start()
+            self.nginx = Nginx(self.tmp, "kvproxy-cluster.conf", self.upstreams()).start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def upstreams(self) -> list[str]:
+        return [f"127.0.0.1:{pair.proxy.port}" for pair in self.pairs.values()]
+
+    def fail_timeout(self) -> float:
+        """Seconds nginx skips a machine that refused a connection (the shipped value)."""
+        (value,) = set(re.findall(r"fail_timeout=(\w+)", self.nginx.shipped.read_text()))
+        return seconds(value)
+
+    def replace(self, lost: str, name: str):
+        """A new pair ``name`` with an empty slot folder where the pair ``lost`` was: its
+        kvproxy on the same address, so nginx sends it ``lost``'s sessions again."""
+        pair = self.new_pair(name)
+        pair.proxy.port = self.pairs[lost].proxy.port
+        self.pairs[name] = pair
+        return pair.start()
+
+    def stop(self) -> None:
+        nginx = getattr(self, "nginx", None)
+        if nginx:
+            nginx.stop()
+        for pair in self.pairs.values():
+            pair.stop()
+
+
+def node_of(url: str, session: str) -> str:
+    """The machine nginx sends a session to (a GET answers at once, whatever the load)."""
+    reply = requests.get(url + "/health", headers={"X-Session-Id": session}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    return reply.headers["X-KVProxy-Node"]

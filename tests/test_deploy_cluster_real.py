@@ -18,7 +18,7 @@ import pytest
 import requests
 
 from tests.conftest import Stack
-from tests.nginx_harness import Nginx, httpx_client_from, light_stack, seconds
+from tests.nginx_harness import Cluster, Nginx, httpx_client_from, node_of
 
 pytestmark = [pytest.mark.real, pytest.mark.deploy]
 
@@ -66,33 +66,6 @@ class Conversation:
                     reply.usage.prompt_tokens, details.cached_tokens if details else 0)
         self.turns.append(turn)
         return turn
-
-
-class Cluster:
-    def __init__(self, tmp):
-        self.pairs = {name: light_stack(tmp / name, KVPROXY_NODE_NAME=name)
-                      for name in ("node-a", "node-b")}
-        self.tmp = tmp
-
-    def start(self) -> "Cluster":
-        try:
-            for pair in self.pairs.values():
-                pair.start()
-            self.nginx = Nginx(self.tmp, "kvproxy-cluster.conf", self.upstreams()).start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def upstreams(self) -> list[str]:
-        return [f"127.0.0.1:{pair.proxy.port}" for pair in self.pairs.values()]
-
-    def stop(self) -> None:
-        nginx = getattr(self, "nginx", None)
-        if nginx:
-            nginx.stop()
-        for pair in self.pairs.values():
-            pair.stop()
 
 
 @pytest.fixture(scope="module")
@@ -167,8 +140,7 @@ def test_a_stopped_pair_moves_only_its_sessions_and_they_come_back(cluster, clie
             assert turn.cache in ("miss", "base"), (conversation.id, turn)
 
     # nginx tries a failed server again after the shipped fail_timeout.
-    (fail_timeout,) = set(re.findall(r"fail_timeout=(\w+)", cluster.nginx.shipped.read_text()))
-    time.sleep(seconds(fail_timeout) + 1)
+    time.sleep(cluster.fail_timeout() + 1)
     for conversation in conversations:
         conversation.ask(client)
     print(f"\nnode-a back: its {len(moved)} sessions cache "
@@ -207,13 +179,6 @@ def test_body_only_id_clients_stick_by_address(cluster):
         homes[address] = nodes[0]
     print(f"\nbody-only id clients by address: {dict(Counter(homes.values()))}")
     assert set(homes.values()) == {"node-a", "node-b"}
-
-
-def node_of(url: str, session: str) -> str:
-    """The machine nginx sends a session to (a GET answers at once, whatever the load)."""
-    reply = requests.get(url + "/health", headers={"X-Session-Id": session}, timeout=60)
-    assert reply.status_code == 200, reply.text
-    return reply.headers["X-KVProxy-Node"]
 
 
 def generation_rate(pair: Stack) -> float:

@@ -7,6 +7,7 @@ import logging
 
 import pytest
 
+from kvproxy.launch.processes import free_port
 from kvproxy.sessions.identity import Session, base_stem
 from kvproxy.slots.answer import CountTokens
 from kvproxy.slots.executor import SlotExecutor
@@ -59,6 +60,23 @@ def test_a_session_another_node_saved_is_fetched_and_put_together_byte_for_byte(
     assert sidecar["fetched_generation"] > 0
     assert metric("kvproxy_store_fetches_total", outcome="fetched") - fetched == 1
     assert not two.fetch(ALICE.stem), "a session the folder has is not fetched again"
+
+
+def test_a_session_fetched_and_carried_on_by_one_node_is_fetched_by_the_next(nodes, tmp_path):
+    """Node two fetched it and saved a later turn (its sidecar names the fetch), node three
+    fetches that save: the lost node, the node that took over, then a new node."""
+    one, two, shared = nodes
+    save_chunked(one, ALICE.stem, TOKENS[:48])
+    publish(shared.bucket, one, ALICE.stem)
+    assert two.fetch(ALICE.stem)
+    first = two.store.read_sidecar(ALICE.stem)["fetched_generation"]
+    save_chunked(two, ALICE.stem, TOKENS, saved_at="2026-12-06T00:00:01.000+00:00", merged=True)
+    assert two.store.read_sidecar(ALICE.stem)["fetched_generation"] == first
+    publish(shared.bucket, two, ALICE.stem)
+    three = ChunkedFiles(SessionStore(tmp_path / "three"), chunk_tokens=C, shared=shared)
+    assert three.fetch(ALICE.stem)
+    assert restored(three, ALICE.stem) == slot_file(TOKENS)
+    assert three.store.read_sidecar(ALICE.stem)["fetched_generation"] == first + 1000
 
 
 def test_only_the_chunks_the_folder_lacks_are_fetched(nodes):
@@ -234,3 +252,26 @@ def test_without_its_own_file_a_conversation_fetches_its_seed_and_its_base(tmp_p
 def test_with_its_own_file_a_conversation_fetches_nothing_else(tmp_path):
     session = Session("new", "header", system_hash="s" * 16, seed="old-key", model="m")
     assert swap_facts_of(tmp_path, session, here={session.stem}) == []
+
+
+def test_after_the_store_was_unreachable_lookups_pause_a_while(tmp_path, monkeypatch, caplog):
+    """One request pays for finding the store down (boto3's tries), not every lookup of every
+    request: the next ones compute at once, until the pause is over."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "kvproxy-test-key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "kvproxy-test-secret-value")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    shared = SharedStore(Bucket(StoreLocation("kv-store", "p"), 1))
+    files = ChunkedFiles(SessionStore(tmp_path), chunk_tokens=C, shared=shared)
+    failed = metric("kvproxy_store_fetches_total", outcome="failed")
+    down = metric("kvproxy_store_fetches_total", outcome="store down")
+    with caplog.at_level(logging.WARNING, logger="kvproxy.store"):
+        assert not files.fetch(ALICE.stem)
+        assert not files.fetch(BOB.stem) and not files.fetch("base.x")
+    assert "(no lookups for 15 s)" in caplog.text
+    assert metric("kvproxy_store_fetches_total", outcome="failed") - failed == 1
+    assert metric("kvproxy_store_fetches_total", outcome="store down") - down == 2
+    shared._quiet_until = 0.0   # the pause is over: the next lookup tries the store again
+    assert not files.fetch(ALICE.stem)
+    assert metric("kvproxy_store_fetches_total", outcome="failed") - failed == 2
+    shared.close()

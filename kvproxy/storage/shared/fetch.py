@@ -141,9 +141,11 @@ def _put_in_place(files, stem: str, stored: session_object.SessionObject) -> Non
     with store.stem_lock(stem):
         if store.has_bin(stem):
             return
+        # A save of a session that was itself fetched (on another node, then carried on
+        # there) names the generation it was fetched at: this fetch's replaces it.
         fields = {k: v for k, v in stored.sidecar.items()
                   if k not in ("stem", "defaults", "count", "of_save")}
-        store.update_sidecar(stem, {}, **fields, fetched_generation=stored.generation)
+        store.update_sidecar(stem, {}, **{**fields, "fetched_generation": stored.generation})
         path = store.chunked_path(stem)
         temp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
         try:

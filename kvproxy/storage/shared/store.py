@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
-from kvproxy.errors import StorageError, StoreError
+from kvproxy.errors import StorageError, StoreError, StoreUnavailable
 from kvproxy.storage.chunks import manifest
 from kvproxy.storage.shared import fetch as fetching
 from kvproxy.storage.shared.bucket import Bucket
@@ -23,6 +23,7 @@ from kvproxy.telemetry.pace import Pace
 log = logging.getLogger("kvproxy.store")
 
 LEAST_DOWNLOAD = 1 << 20   # bytes: smaller fetches teach nothing of the store's speed
+QUIET_SECONDS = 15.0       # no lookups for this long after one found the store unreachable
 
 
 class SharedStore:
@@ -35,6 +36,7 @@ class SharedStore:
         self.uploader = Uploader(bucket, queue)
         self.fetch_seconds = fetch_seconds
         self.download = Pace(least_units=LEAST_DOWNLOAD)   # bytes per second of fetches
+        self._quiet_until = 0.0   # time.monotonic(): the store was unreachable just now
         self.sweeper = Sweeper(bucket, sweep_grace, sweep_minutes, node_id(node),
                                self.uploader.known, budget=budget)
 
@@ -80,6 +82,9 @@ class SharedStore:
         fetch slower than computing the prompt at ``prefill``'s pace, is one log line, and
         the caller computes the prompt instead."""
         started = time.monotonic()
+        if started < self._quiet_until:   # unreachable a moment ago: compute at once
+            metrics.observe_fetch("store down", 0, 0.0)
+            return False
 
         def race(tokens: int, n_bytes: int) -> fetching.Race:
             compute_s = prefill.seconds_for(tokens) if prefill is not None and tokens else None
@@ -90,8 +95,11 @@ class SharedStore:
             done = fetching.fetch(self.bucket, files, stem, self.fetch_seconds, race)
         except (StoreError, StorageError) as exc:
             metrics.observe_fetch("failed", 0, time.monotonic() - started)
-            log.warning("could not fetch %s from the shared store, computing it instead: %s",
-                        stem, exc)
+            quiet = isinstance(exc, StoreUnavailable)
+            if quiet:
+                self._quiet_until = time.monotonic() + QUIET_SECONDS
+            log.warning("could not fetch %s from the shared store, computing it instead: %s%s",
+                        stem, exc, f" (no lookups for {QUIET_SECONDS:.0f} s)" if quiet else "")
             return False
         metrics.observe_fetch(done.outcome, done.bytes, done.seconds)
         if done.outcome == fetching.SLOWER:
