@@ -261,7 +261,8 @@ def test_after_the_store_was_unreachable_lookups_pause_a_while(tmp_path, monkeyp
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "kvproxy-test-key")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "kvproxy-test-secret-value")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    shared = SharedStore(Bucket(StoreLocation("kv-store", "p"), 1))
+    now = [1000.0]
+    shared = SharedStore(Bucket(StoreLocation("kv-store", "p"), 1), clock=lambda: now[0])
     files = ChunkedFiles(SessionStore(tmp_path), chunk_tokens=C, shared=shared)
     failed = metric("kvproxy_store_fetches_total", outcome="failed")
     down = metric("kvproxy_store_fetches_total", outcome="store down")
@@ -271,7 +272,10 @@ def test_after_the_store_was_unreachable_lookups_pause_a_while(tmp_path, monkeyp
     assert "(no lookups for 15 s)" in caplog.text
     assert metric("kvproxy_store_fetches_total", outcome="failed") - failed == 1
     assert metric("kvproxy_store_fetches_total", outcome="store down") - down == 2
-    shared._quiet_until = 0.0   # the pause is over: the next lookup tries the store again
+    now[0] += 14.9
+    assert not files.fetch(ALICE.stem)
+    assert metric("kvproxy_store_fetches_total", outcome="store down") - down == 3
+    now[0] += 0.2   # the pause is over: the next lookup tries the store again
     assert not files.fetch(ALICE.stem)
     assert metric("kvproxy_store_fetches_total", outcome="failed") - failed == 2
     shared.close()

@@ -31,12 +31,13 @@ class SharedStore:
 
     def __init__(self, bucket: Bucket, queue: int = 256, fetch_seconds: float = 30.0,
                  sweep_grace: float = 3600.0, sweep_minutes: float = 0, node: str = "",
-                 budget: int = 0):
+                 budget: int = 0, clock=time.monotonic):
         self.bucket = bucket
+        self.clock = clock
         self.uploader = Uploader(bucket, queue)
         self.fetch_seconds = fetch_seconds
         self.download = Pace(least_units=LEAST_DOWNLOAD)   # bytes per second of fetches
-        self._quiet_until = 0.0   # time.monotonic(): the store was unreachable just now
+        self._quiet_until = 0.0   # by ``clock``: the store was unreachable just now
         self.sweeper = Sweeper(bucket, sweep_grace, sweep_minutes, node_id(node),
                                self.uploader.known, budget=budget)
 
@@ -82,7 +83,7 @@ class SharedStore:
         fetch slower than computing the prompt at ``prefill``'s pace, is one log line, and
         the caller computes the prompt instead."""
         started = time.monotonic()
-        if started < self._quiet_until:   # unreachable a moment ago: compute at once
+        if self.clock() < self._quiet_until:   # unreachable a moment ago: compute at once
             metrics.observe_fetch("store down", 0, 0.0)
             return False
 
@@ -97,7 +98,7 @@ class SharedStore:
             metrics.observe_fetch("failed", 0, time.monotonic() - started)
             quiet = isinstance(exc, StoreUnavailable)
             if quiet:
-                self._quiet_until = time.monotonic() + QUIET_SECONDS
+                self._quiet_until = self.clock() + QUIET_SECONDS
             log.warning("could not fetch %s from the shared store, computing it instead: %s%s",
                         stem, exc, f" (no lookups for {QUIET_SECONDS:.0f} s)" if quiet else "")
             return False
