@@ -96,10 +96,9 @@ def long_text(n_words: int, seed: int) -> str:
     return f"Project {seed} handbook. " + " ".join(sentences)
 
 
-@pytest.fixture(scope="session")
-def weed(tmp_path_factory):
-    """One real SeaweedFS (``weed mini``, kvproxy/launch/seaweed.py) for the whole run,
-    stopped at its end; each test takes a bucket of its own (``store_url``)."""
+def started_weed(tmp_path_factory):
+    """A real SeaweedFS (``weed mini``, kvproxy/launch/seaweed.py) in a folder of its own,
+    yielded to a fixture and stopped after it (skipped when the binary is missing)."""
     from kvproxy.launch.seaweed import MISSING, WeedMini, weed_binary
     if weed_binary() is None:
         pytest.skip(MISSING)
@@ -107,6 +106,12 @@ def weed(tmp_path_factory):
     server = WeedMini(tmp / "data", tmp / "weed.log").start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def weed(tmp_path_factory):
+    """One SeaweedFS for the whole run; each test takes a bucket of its own (``store_url``)."""
+    yield from started_weed(tmp_path_factory)
 
 
 @pytest.fixture

@@ -28,10 +28,10 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvproxy.launch.seaweed import MISSING, WeedMini, weed_binary
+from kvproxy.launch.seaweed import WeedMini
 from kvproxy.storage.shared.location import NO_USER, StoreLocation
 from kvproxy.storage.shared.session_object import decode
-from tests.conftest import long_text
+from tests.conftest import long_text, started_weed
 from tests.nginx_harness import Cluster, kill_pair, node_of
 
 pytestmark = [pytest.mark.real, pytest.mark.deploy]
@@ -166,12 +166,7 @@ def sessions_on(url: str, node: str, prefix: str, count: int) -> list[str]:
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     """A SeaweedFS of this module's own, since the outage test stops and starts it."""
-    if weed_binary() is None:
-        pytest.skip(MISSING)
-    tmp = tmp_path_factory.mktemp("weed")
-    server = WeedMini(tmp / "data", tmp / "weed.log").start()
-    yield server
-    server.stop()
+    yield from started_weed(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
