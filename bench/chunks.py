@@ -126,11 +126,11 @@ class Stack:
     """llama-server plus kvproxy, one store setting, a fresh slot folder."""
 
     def __init__(self, work: Path, store: str, chunk_tokens: int, slots: int = 1,
-                 ctx: int = 8192):
+                 ctx: int = 8192, hot: Path | None = None):
         work.mkdir(parents=True, exist_ok=True)
         env = {"KVPROXY_SESSION_STORE": store, "KVPROXY_CHUNK_TOKENS": str(chunk_tokens),
                "KVPROXY_SLOTS": str(slots), "KVPROXY_SAVE_BEHIND_DELAY": SETTLE_DELAY,
-               "KVPROXY_SLOT_KEEP": "0"}
+               "KVPROXY_SLOT_KEEP": "0", **({"KVPROXY_HOT_DIR": str(hot)} if hot else {})}
         self.store = store
         self.mode = Mode(f"{store}-{chunk_tokens}", store, work, None, True,
                          llama_options={"ctx_size": ctx * slots, "cache_ram_mib": 0,
@@ -233,6 +233,11 @@ def case_six(work: Path, store: str, chunk_tokens: int, system: str, firsts: lis
     }
 
 
+def memory_folder() -> str | None:
+    """A tmpfs folder to make temporary folders in (None: the default temporary folder)."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+
 def drop_page_cache() -> bool:
     """Write back and drop the page cache (root only), so the next restore reads the disk."""
     os.sync()
@@ -243,10 +248,12 @@ def drop_page_cache() -> bool:
     return True
 
 
-def case_ten(work: Path, store: str, chunk_tokens: int, system: str, firsts: list[str]) -> dict:
+def case_ten(work: Path, store: str, chunk_tokens: int, system: str, firsts: list[str],
+             hot: Path | None = None) -> dict:
     """First and second turns (restores from the page cache), then third turns with the page
-    cache dropped before each (restores from the disk, where the machine allows it)."""
-    with Stack(work, store, chunk_tokens) as stack:
+    cache dropped before each (restores from the disk, where the machine allows it; hot
+    copies, ``hot``, are in memory and stay)."""
+    with Stack(work, store, chunk_tokens, hot=hot) as stack:
         run = conversations(stack, system, firsts, "ten")
         folder = allocated_bytes(stack.slot_dir)
         cold = []
@@ -263,7 +270,7 @@ def case_ten(work: Path, store: str, chunk_tokens: int, system: str, firsts: lis
         "restore_cold_ms": restore_cold,
         "restore_cold_ms_median": statistics.median(restore_cold) if restore_cold else None,
         "cold_reuse": [round(r["reused_tokens"] / r["prompt_tokens"], 3) for r in cold],
-        "store": store, "chunk_tokens": chunk_tokens,
+        "store": store + (", hot copies" if hot else ""), "chunk_tokens": chunk_tokens,
         "folder_bytes": folder, "tokens_whole_bytes": whole_bytes(run["second"]),
         "written_first_turns": [r["written"] for r in run["first"]],
         "written_second_turns": [r["written"] for r in run["second"]],
@@ -354,13 +361,15 @@ def report(run: dict) -> str:
                 f"{r['restore_ms_median']:.0f} ms | {'-' if cold is None else f'{cold:.0f} ms'} | "
                 f"{min(r['second_reuse'] + r.get('cold_reuse', [])):.1%} |")
         files = next((r for r in ten if r["store"] == "files"), None)
-        chunks = next((r for r in ten if r["store"] == "chunks"), None)
-        if files and chunks and files["restore_ms_median"]:
+        for chunks in (r for r in ten if r["store"] != "files"):
+            if not (files and files["restore_ms_median"]):
+                break
             ratio = f"{chunks['restore_ms_median'] / files['restore_ms_median']:.2f}x"
             if files.get("restore_cold_ms_median") and chunks.get("restore_cold_ms_median"):
                 cold = chunks["restore_cold_ms_median"] / files["restore_cold_ms_median"]
                 ratio += f" from the page cache, {cold:.2f}x from the disk"
-            lines += ["", f"A restore from chunks against a whole file of the same size: {ratio}."]
+            how = "from hot copies" if "hot" in chunks["store"] else "from chunks"
+            lines += ["", f"A restore {how} against a whole file of the same size: {ratio}."]
         lines.append("")
     gap = run.get("gap") or []
     if gap:
@@ -416,15 +425,18 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(run["six"][-1]), flush=True)
         if "ten" in cases:
             run["ten"] = []
-            for store in ("files", "chunks"):
-                print(f"== ten: {store}", flush=True)
-                run["ten"].append(case_ten(work / f"ten-{store}", store, 256, *ten_prompts))
+            for store, hot in (("files", False), ("chunks", False), ("chunks", True)):
+                print(f"== ten: {store}{' with hot copies' if hot else ''}", flush=True)
+                with tempfile.TemporaryDirectory(prefix="kvproxy-bench-hot-",
+                                                 dir=memory_folder()) as memory:
+                    run["ten"].append(case_ten(work / f"ten-{store}-{hot}", store, 256,
+                                               *ten_prompts, Path(memory) if hot else None))
                 print(json.dumps({k: v for k, v in run["ten"][-1].items()}), flush=True)
         if "gap" in cases:
             run["gap"] = []
             for store, folder in (("files", "disk"), ("chunks", "disk"), ("chunks", "tmpfs")):
                 print(f"== gap: {store} on {folder}", flush=True)
-                memory = "/dev/shm" if folder == "tmpfs" else tmp
+                memory = memory_folder() if folder == "tmpfs" else tmp
                 with tempfile.TemporaryDirectory(prefix="kvproxy-bench-gap-", dir=memory) as at:
                     run["gap"].append(case_gap(Path(at), store, 256, *ten_prompts,
                                                args.answer_tokens, folder))

@@ -9,7 +9,7 @@ from flask import Flask
 from flask_smorest import Api, Blueprint as ApiBlueprint
 
 from kvproxy import routes
-from kvproxy.assemble import build_switch, llama_client, shared_store
+from kvproxy.assemble import build_switch, hot_copies, llama_client, shared_store
 from kvproxy.config import Settings, check_slot_dir, load_settings
 from kvproxy.ops.startup import Contract
 from kvproxy.slots.models import ModelSwitches
@@ -47,9 +47,10 @@ def create_app(config: Mapping[str, Any] | Settings | None = None) -> Flask:
     client = llama_client(settings)
 
     shared = shared_store(settings)   # one per process, for every model's switch
+    hot = hot_copies(settings)        # likewise
 
     def make_switch(client: LlamaClient, store: SessionStore) -> SlotSwitch:
-        return build_switch(settings, client, store, shared)
+        return build_switch(settings, client, store, shared, hot)
     switch = make_switch(client, SessionStore(settings.slot_dir))
     models = ModelSwitches(client, switch, make_switch)
     app.extensions["kvproxy.switch"] = switch

@@ -7,9 +7,11 @@ ops/ from importing the app factory, which imports ops/ for its routes.
 from __future__ import annotations
 
 import dataclasses
+import os
 
-from kvproxy.config import Settings
+from kvproxy.config import ConfigError, Settings
 from kvproxy.slots.switch import SlotSwitch, SwitchSettings
+from kvproxy.storage.chunks.hot import HotCopies
 from kvproxy.storage.shared.store import SharedStore
 from kvproxy.storage.store import SessionStore
 from kvproxy.upstream.llama import LlamaClient
@@ -26,9 +28,25 @@ def shared_store(settings: Settings) -> SharedStore | None:
     return SharedStore.of(settings)
 
 
+def hot_copies(settings: Settings) -> HotCopies | None:
+    """The hot copies ``KVPROXY_HOT_DIR`` names (one per process, for every model's switch),
+    None when they are off or the store keeps whole files."""
+    if not settings.hot_dir or not settings.hot_gb or settings.session_store != "chunks":
+        return None
+    if os.path.realpath(settings.hot_dir) == os.path.realpath(settings.slot_dir):
+        raise ConfigError("KVPROXY_HOT_DIR is the slot folder: point it at a folder of its own "
+                          "in memory, such as /dev/shm/kvproxy-hot")
+    try:
+        return HotCopies(settings.hot_dir, int(settings.hot_gb * 1024**3))
+    except OSError as exc:
+        raise ConfigError(f"KVPROXY_HOT_DIR={settings.hot_dir!r} cannot be used: "
+                          f"{exc.strerror or exc} (create it, or leave it empty to keep no hot "
+                          f"copies)") from None
+
+
 def build_switch(settings: Settings, client: LlamaClient, store: SessionStore,
-                 shared: SharedStore | None = None) -> SlotSwitch:
+                 shared: SharedStore | None = None, hot: HotCopies | None = None) -> SlotSwitch:
     """The slot switch the settings describe (the app's, and ``kvproxy doctor``'s, which
-    uploads nothing: no ``shared``)."""
+    uploads nothing and keeps no hot copies: no ``shared``, no ``hot``)."""
     return SlotSwitch(client, store, settings=dataclasses.replace(SwitchSettings.of(settings),
-                                                                  shared=shared))
+                                                                  shared=shared, hot=hot))

@@ -273,6 +273,16 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("chunk_tokens", "256", _number(16, 65536, whole=True),
             "Tokens per stored chunk with KVPROXY_SESSION_STORE=chunks (the field's default; "
             "docs/benchmark.md has the measurement). Chunks of another size are not shared."),
+    Setting("hot_dir", "", str,
+            "A folder in memory (tmpfs: /dev/shm, or /run with systemd's RuntimeDirectory) for "
+            "whole files of recently saved and restored conversations stored as chunks: "
+            "llama-server saves into it, and restores from it as fast as from a whole file "
+            "instead of waiting for the file to be put together from chunks. It must be "
+            "writable by llama-server's user and hold nothing else; it is a cache, nothing is "
+            "lost without it. Empty: off (docs/sessions-and-slots.md, 'Hot copies')."),
+    Setting("hot_gb", "2", _gigabytes,
+            "Upper bound on the memory the hot copies of KVPROXY_HOT_DIR take (GiB); the least "
+            "recently used go first."),
     Setting("store_url", "", _store_url,
             "The shared session store: s3://<bucket>/<prefix> of an S3 bucket (SeaweedFS, MinIO, "
             "Ceph RGW, AWS S3) that every node's saved conversations are copied to in the "

@@ -55,3 +55,33 @@ def slot_file(tokens: list[int], *, version: int = 4, media: int = 0, sections: 
         f"<{len(values)}i", *values)
     body = b"".join(cache_section(tokens, tag=b"s%d" % n, **cache) for n in range(sections))
     return head + body + rest
+
+
+# -- a folder's save and restore without llama-server ------------------------------------
+MADE_BY = {"model_path": "/m.gguf", "n_ctx": 4096, "build_info": "b1"}
+
+
+def saver(data: bytes, folder):
+    """llama-server's save of ``data`` under a name in ``folder`` (it follows a link there)."""
+    def write(name):
+        (folder / name).write_bytes(data)
+        return {"n_saved": 1, "n_written": len(data)}
+    return write
+
+
+def describe(answer, size):
+    return {"format": 3, "saved_at": "2026-12-06T00:00:00+00:00", "saved_bytes": size,
+            "n_bytes": answer["n_written"], "made_by": MADE_BY, "session_id": "s",
+            "kind": "session"}
+
+
+def save(files, stem: str, data: bytes) -> dict:
+    """Save ``data`` as ``stem`` through a store's ``SessionFiles`` (``storage.session_files``)."""
+    return files.save(stem, saver(data, files.store.root),
+                      lambda a, size: {**describe(a, size), "stem": stem})
+
+
+def restored(files, stem: str) -> bytes:
+    """The bytes llama-server would read restoring ``stem``."""
+    with files.staged(stem) as name:
+        return (files.store.root / name).read_bytes()

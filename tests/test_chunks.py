@@ -10,11 +10,10 @@ from kvproxy.storage.chunks.files import ChunkedFiles
 from kvproxy.storage.store import SessionStore
 from kvproxy.upstream import slot_file as slot_file_head
 from kvproxy.upstream.slot_layout import layout_of
-from tests.slot_files import slot_file
+from tests.slot_files import MADE_BY, restored, save, slot_file
 
 PROMPT = list(range(100, 180))          # 80 tokens: 5 chunks of 16
 C = 16
-MADE_BY = {"model_path": "/m.gguf", "n_ctx": 4096, "build_info": "b1"}
 
 
 # -- the map ---------------------------------------------------------------------
@@ -102,33 +101,9 @@ def test_a_chunk_of_the_wrong_size_is_refused():
 
 
 # -- the store on disk -----------------------------------------------------------
-def saver(data: bytes):
-    def write(name):
-        write.folder.joinpath(name).write_bytes(data)
-        return {"n_saved": 1, "n_written": len(data)}
-    return write
-
-
-def describe(answer, size):
-    return {"format": 3, "saved_at": "2026-12-06T00:00:00+00:00", "saved_bytes": size,
-            "n_bytes": answer["n_written"], "made_by": MADE_BY, "session_id": "s",
-            "kind": "session"}
-
-
-def save(files: ChunkedFiles, stem: str, data: bytes) -> dict:
-    write = saver(data)
-    write.folder = files.store.root
-    return files.save(stem, write, lambda a, size: {**describe(a, size), "stem": stem})
-
-
 @pytest.fixture
 def files(tmp_path):
     return ChunkedFiles(SessionStore(tmp_path), chunk_tokens=C)
-
-
-def restored(files: ChunkedFiles, stem: str) -> bytes:
-    with files.staged(stem) as name:
-        return (files.store.root / name).read_bytes()
 
 
 def test_a_save_is_stored_as_chunks_and_comes_back_whole(files):

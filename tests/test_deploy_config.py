@@ -168,12 +168,16 @@ def test_units_share_user_folder_and_settings():
         service = parsed["Service"]
         assert service["User"] == service["Group"] == "kvproxy"
         assert service["CacheDirectory"] == "llama-slots"
+        # the hot copies' folder in memory, written by llama-server, outlives either's restart
+        assert (service["RuntimeDirectory"], service["RuntimeDirectoryPreserve"]) \
+            == ("kvproxy-hot", "yes")
         assert directives(name, "EnvironmentFile")[0] == "/etc/kvproxy/kvproxy.env"
         assert service["Restart"] == "on-failure"
         assert service["KillSignal"] == "SIGTERM"
         assert parsed["Install"]["WantedBy"] == "multi-user.target"
     env = env_file()
     assert env["KVPROXY_SLOT_DIR"] == "/var/cache/llama-slots"
+    assert env["KVPROXY_HOT_DIR"] == "/run/kvproxy-hot"
     assert "--slot-save-path ${KVPROXY_SLOT_DIR}" in llama["Service"]["ExecStart"]
     assert env["KVPROXY_UPSTREAM"] == f"http://127.0.0.1:{env['LLAMA_PORT']}"
     assert "--port ${LLAMA_PORT}" in llama["Service"]["ExecStart"]

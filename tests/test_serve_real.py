@@ -6,6 +6,7 @@ stopped only after it; no child outlives the command."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -119,6 +120,9 @@ def test_make_run_restarts_llama_server_and_saves_before_stopping_it(tmp_path):
     serve = Serve(tmp_path)
     try:
         wait_for(serve.healthy, 180, "make run did not become healthy")
+        hot = Path(re.search(r"hot copies of recent conversations in (\S+) ",
+                             serve.output())[1])
+        assert hot.is_dir() and str(hot).startswith("/dev/shm/"), hot
         llama_pid = serve.child("llama-server")
         name = requests.get(serve.url + "/api/tags", timeout=10).json()["models"][0]["name"]
         history: list[dict] = []
@@ -169,6 +173,7 @@ def test_make_run_restarts_llama_server_and_saves_before_stopping_it(tmp_path):
         assert saved >= last_prompt, (f"the worker's exit save did not reach llama-server: the "
                                       f"file holds {saved} tokens, the last turn {last_prompt}")
         assert not running(worker) and not running(llama_pid), "a child outlived make run"
+        assert not hot.exists(), "the run's hot copies outlived it"
         assert "Parent changed, shutting down" in serve.output()
     finally:
         stop_process(serve.process, 120)

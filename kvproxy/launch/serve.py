@@ -6,7 +6,9 @@ context. With several slots llama-server's own RAM prompt cache is off
 (``--cache-ram 0``): kvproxy pins every request to a slot and keeps the cache
 in slot files, and that cache has open bugs that put one conversation into
 another's slot. With client API keys it is off too: it is shared by every user.
-``LLAMA_CACHE_RAM`` (MiB) overrides it. Waits until both
+``LLAMA_CACHE_RAM`` (MiB) overrides it. Unless ``KVPROXY_HOT_DIR`` is set, the
+conversations' hot copies go to a folder of this run's in /dev/shm, deleted when it
+stops (``run_hot_dir``). Waits until both
 answer, prints where to point clients, and stops both on Ctrl-C or SIGTERM.
 
 It supervises them as a service manager would. llama-server is stopped only once
@@ -21,8 +23,10 @@ is bounded.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -70,13 +74,22 @@ def llama_layout(environ) -> tuple[int, int, int]:
     return slots, values["LLAMA_CTX"], cache_ram
 
 
+def run_hot_dir(environ, settings) -> str | None:
+    """A folder in memory for this run's hot copies (``storage.chunks.hot``), when the
+    settings name none and the store keeps chunks; the caller deletes it."""
+    if "KVPROXY_HOT_DIR" in environ or settings.session_store != "chunks" \
+            or not settings.hot_gb or not os.path.isdir("/dev/shm"):
+        return None
+    return tempfile.mkdtemp(prefix="kvproxy-hot-", dir="/dev/shm")
+
+
 def main() -> int:
     port = int(os.environ.get("KVPROXY_PORT", "11434"))
     llama_port = int(os.environ.get("LLAMA_PORT", "8080"))
     slot_dir = os.path.abspath(os.environ.get("KVPROXY_SLOT_DIR", "var/slots"))
     log_dir = Path(os.environ.get("KVPROXY_LOG_DIR", "var/log"))
     try:  # a bad setting stops here with one line, before llama-server spends time loading
-        load_settings({**os.environ, "KVPROXY_SLOT_DIR": slot_dir})
+        settings = load_settings({**os.environ, "KVPROXY_SLOT_DIR": slot_dir})
         check_slot_dir(slot_dir)
         slots, ctx_size, cache_ram = llama_layout(os.environ)
     except (ConfigError, ValueError) as exc:
@@ -96,7 +109,12 @@ def main() -> int:
         print(f"kvproxy: llama-server did not start ({exc}); see {log_dir}/llama-server.log",
               file=sys.stderr, flush=True)
         return 1
-    proxy = ProxyServer(llama.url, slot_dir, port=port, die_with_parent=True)
+    hot_dir = run_hot_dir(os.environ, settings)
+    proxy = ProxyServer(llama.url, slot_dir, port=port, die_with_parent=True,
+                        env={"KVPROXY_HOT_DIR": hot_dir} if hot_dir else None)
+    if hot_dir:
+        print(f"kvproxy: hot copies of recent conversations in {hot_dir} (memory, up to "
+              f"{settings.hot_gb:g} GiB; deleted when this stops)", flush=True)
 
     stopping = False
     restarting = False
@@ -162,6 +180,8 @@ def main() -> int:
         print("kvproxy: stopping", flush=True)
         proxy.stop(proxy_stop_bound(os.environ))  # every kvproxy process has ended (or is killed)
         llama.stop()
+        if hot_dir:
+            shutil.rmtree(hot_dir, ignore_errors=True)
     return 0 if stopping else 1
 
 

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Iterator
 
-from kvproxy.storage import model_names, sweep
+from kvproxy.storage import model_names
 from kvproxy.errors import ContractError  # imported from here too
 from kvproxy.upstream.llama import LlamaClient, UpstreamError, UpstreamUnavailable
 from kvproxy.errors import StateFormatError, StorageError
@@ -38,7 +38,7 @@ def sweep_slot_folder(switch, wait: float = START_WAIT) -> list[str]:
             return []
         try:
             done = model_names.tag_old_files(switch.store)
-            done += sweep.sweep(switch.store)
+            done += switch.files.sweep()   # the folder's, and its chunks' and hot copies'
             if switch.store.migrate_state_file():
                 done.append(f"state file migrated to the per-slot table (its slot is "
                             f"{switch.store.legacy_slot})")

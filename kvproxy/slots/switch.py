@@ -78,6 +78,7 @@ class SwitchSettings:
     session_store: str = _shipped("session_store")      # "chunks" or "files"
     chunk_tokens: int = _shipped("chunk_tokens")
     shared: object = None   # the shared store (KVPROXY_STORE_URL): storage.shared's SharedStore
+    hot: object = None      # hot copies (KVPROXY_HOT_DIR): storage.chunks.hot's HotCopies
 
     @classmethod
     def of(cls, settings) -> "SwitchSettings":
@@ -124,7 +125,7 @@ class SlotSwitch:
         self.max_disk_bytes = s.max_disk_bytes
         self.lock_timeout = s.lock_timeout
         self.files = ChunkedFiles(store, s.max_disk_bytes, s.min_free_bytes, s.chunk_tokens,
-                                  s.shared) \
+                                  s.shared, s.hot) \
             if s.session_store == "chunks" else FolderFiles(store, s.max_disk_bytes, s.min_free_bytes)
         self.budget = self.files.budget
         self.pool = SlotPool(store, s.lock_timeout, s.max_waiters, keep=s.slot_keep)

@@ -13,6 +13,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from kvproxy.storage.checked_save import discard, temp_path
+from kvproxy.storage.links import materialize
 from kvproxy.storage.quarantine import quarantine, size_problem
 from kvproxy.storage.store import (CHUNKED_SUFFIX, PROBE_PREFIX, QUARANTINE_DIR, RESTORING_SUFFIX,
                                    SIDECAR_FORMAT, TEMP_SUFFIX,
@@ -113,12 +114,16 @@ def sweep(store: SessionStore) -> list[str]:
     that never had a file goes when ``fileless_sidecar_stale`` says so).
     """
     done = []
+    for path in sorted(store.root.iterdir()):   # saves written into memory (``chunks.hot``)
+        if path.is_symlink() and path.name.endswith(".bin") \
+                and not path.name.endswith(RESTORING_SUFFIX):
+            done.append(materialize(path))
     for stem, candidates in sorted(temp_sidecars(store).items()):
         line = finish_save(store, stem, candidates)
         if line:
             done.append(line)
     for path in sorted(store.root.iterdir()):
-        if path.is_file() and is_leftover(path.name):
+        if (path.is_file() or path.is_symlink()) and is_leftover(path.name):
             discard(path)
             done.append(f"deleted leftover temporary file {path.name}")
     for path in sorted(store.root.glob("*.bin")):

@@ -93,6 +93,17 @@ def observe_chunked_save(written: int, logical: int) -> None:
     SAVE_LOGICAL_BYTES.inc(logical)
 
 
+HOT_RESTORES = Counter("kvproxy_hot_restores_total",
+                       "Restores of sessions stored as chunks, by where the whole file came from "
+                       "(hot: a hot copy in memory, KVPROXY_HOT_DIR; assembled: put together from "
+                       "the chunks)", ["source"], registry=REGISTRY)
+
+
+def count_hot_restore(hot: bool) -> None:
+    """Count a restore from a hot copy, or one put together from chunks while hot copies are on."""
+    HOT_RESTORES.labels("hot" if hot else "assembled").inc()
+
+
 # -- the shared session store (KVPROXY_STORE_URL) ------------------------------------------
 STORE_UPLOADS = Counter("kvproxy_store_uploads_total",
                         "Saved sessions the uploader handled, by outcome (written; already there; "

@@ -29,8 +29,10 @@ import filelock
 from kvproxy.storage import quarantine
 from kvproxy.storage.chunks import cut, manifest
 from kvproxy.storage.chunks.chunk_dir import ChunkDir
+from kvproxy.storage.chunks.hot import HotCopies
 from kvproxy.storage.chunks.index import Prefix, PrefixIndex
 from kvproxy.storage.folder import FolderFiles
+from kvproxy.storage.links import materialize, point
 from kvproxy.storage.store import (CHUNK_LOCK, SessionStore, StorageError,
                                    unlink_with_companions)
 from kvproxy.telemetry import metrics
@@ -59,10 +61,12 @@ class ChunkedFiles(FolderFiles):
     """Saved sessions as manifests of shared chunks in the slot folder."""
 
     def __init__(self, store: SessionStore, max_bytes: int = 0, min_free: int = 0,
-                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, shared=None):
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, shared=None,
+                 hot: HotCopies | None = None):
         super().__init__(store, max_bytes, min_free)
         # The shared store (``storage.shared.store.SharedStore``), told of every packed save.
         self.shared = shared
+        self.hot = hot   # whole files of recent saves and restores, in memory (``hot``)
         self.chunks = ChunkDir(store.chunk_root)
         self.chunk_tokens = chunk_tokens
         self.budget.shared = self
@@ -79,12 +83,25 @@ class ChunkedFiles(FolderFiles):
     def save(self, stem: str, write: Callable[[str], dict],
              describe: Callable[[dict, int], dict],
              as_recorded: Callable[[object], bool] = lambda n_saved: True) -> dict | None:
-        sidecar = super().save(stem, write, describe, as_recorded)
-        if sidecar is not None:
-            try:
-                self.pack(stem, sidecar.get("made_by") or {})
-            except (OSError, StorageError) as exc:   # the whole file stays: nothing is lost
-                log.warning("kept %s.bin whole: storing it as chunks failed: %s", stem, exc)
+        """The checked save, then the cut. With hot copies llama-server writes into the hot
+        folder through a link, and the file it wrote stays there once cut."""
+        incoming = self.hot.incoming(stem) if self.hot else None
+        try:
+            sidecar = super().save(stem, write if incoming is None else
+                                   _through_link(self.store.root, incoming, write),
+                                   describe, as_recorded)
+            if sidecar is not None:
+                try:
+                    if self.pack(stem, sidecar.get("made_by") or {}) is not None and incoming:
+                        self.hot.adopt(stem, incoming)
+                        incoming = None
+                except (OSError, StorageError) as exc:   # the whole file stays: nothing is lost
+                    log.warning("kept %s.bin whole: storing it as chunks failed: %s", stem, exc)
+        finally:
+            if incoming is not None:   # a file kept whole stays in the slot folder, not in memory
+                with self.store.stem_lock(stem):
+                    materialize(self.store.bin_path(stem))
+                incoming.unlink(missing_ok=True)
         return sidecar
 
     def pack(self, stem: str, made_by: dict) -> int | None:
@@ -158,13 +175,42 @@ class ChunkedFiles(FolderFiles):
     # -- restore ------------------------------------------------------------------
     @contextlib.contextmanager
     def staged(self, stem: str) -> Iterator[str]:
+        """The name llama-server restores ``stem`` from: its whole file when there is one,
+        else its hot copy linked in, else the file put together from its chunks (in the hot
+        folder when there is one, where it then stays as the hot copy)."""
         if self.store.bin_path(stem).is_file():
             yield self.store.bin_path(stem).name
             return
-        name = f"{stem}.{secrets.token_hex(4)}{RESTORING_SUFFIX}"
-        path = self.store.root / name
         try:
             stored, tail = manifest.read(self.store.chunked_path(stem))
+        except (OSError, ValueError) as exc:
+            raise StorageError(f"cannot put {stem} together from its chunks: {exc}") from exc
+        if self.hot is None:
+            path = self.store.root / f"{stem}.{secrets.token_hex(4)}{RESTORING_SUFFIX}"
+            self._assemble(stem, stored, tail, path)
+            try:
+                yield path.name
+            finally:
+                path.unlink(missing_ok=True)
+            return
+        with self.hot.lent(stem, stored.layout) as copy:
+            if copy is not None:
+                metrics.count_hot_restore(True)
+                with self._linked(stem, copy) as name:
+                    yield name
+                return
+        metrics.count_hot_restore(False)
+        incoming = self.hot.incoming(stem)
+        self._assemble(stem, stored, tail, incoming)
+        try:
+            with self._linked(stem, incoming) as name:
+                yield name
+        finally:
+            self.hot.adopt(stem, incoming)
+
+    def _assemble(self, stem: str, stored: manifest.Manifest, tail, path: Path) -> None:
+        """Write the slot file ``stored`` maps to ``path`` (StorageError when it cannot be)."""
+        try:
             with open(path, "wb") as out, contextlib.ExitStack() as maps:
                 cut.assemble(stored.layout, tail,
                              lambda i: maps.enter_context(self.chunks.mapped(stored.keys[i])),
@@ -172,10 +218,20 @@ class ChunkedFiles(FolderFiles):
         except (OSError, ValueError) as exc:
             path.unlink(missing_ok=True)
             raise StorageError(f"cannot put {stem} together from its chunks: {exc}") from exc
+
+    @contextlib.contextmanager
+    def _linked(self, stem: str, target: Path) -> Iterator[str]:
+        """A name in the slot folder for llama-server to read ``target`` by, for one restore."""
+        link = self.store.root / f"{stem}.{secrets.token_hex(4)}{RESTORING_SUFFIX}"
         try:
-            yield name
+            point(link, target)
+        except OSError as exc:
+            raise StorageError(f"cannot link {stem}'s whole file into the slot folder: "
+                               f"{exc}") from exc
+        try:
+            yield link.name
         finally:
-            path.unlink(missing_ok=True)
+            link.unlink(missing_ok=True)
 
     def fetch(self, stem: str, prefill: Pace | None = None) -> bool:
         """Fetch on miss: bring ``stem`` from the shared store when the folder lacks it;
@@ -195,6 +251,8 @@ class ChunkedFiles(FolderFiles):
             return sidecar, self.problem_of(stem, sidecar)
 
     def set_aside(self, stem: str, reason: str) -> str:
+        if self.hot is not None:
+            self.hot.forget(stem)
         return quarantine.set_aside(self.store, stem, reason, lambda store, stem: self.check(stem))
 
     def problem_of(self, stem: str, sidecar: dict) -> str | None:
@@ -233,6 +291,8 @@ class ChunkedFiles(FolderFiles):
         """Delete a session (the admin API; eviction deletes through the budget and keeps the
         shared store's copy): here, and in the shared store."""
         removed = super().delete(stem)
+        if self.hot is not None:
+            self.hot.forget(stem)
         if removed:
             self.free()
             if self.shared is not None:
@@ -306,7 +366,18 @@ class ChunkedFiles(FolderFiles):
         for path in sorted(self.store.root.glob(f"*{RESTORING_SUFFIX}")):
             path.unlink(missing_ok=True)
             done.append(f"deleted leftover assembled file {path.name}")
+        if self.hot is not None:
+            done += self.hot.sweep()
         freed = self.free()
         if freed:
             done.append(f"deleted chunks no manifest names ({freed} bytes)")
         return done
+
+
+def _through_link(root: Path, target: Path, write: Callable[[str], dict]) -> Callable[[str], dict]:
+    """``write`` (llama-server's save under a name in ``root``) made to land in ``target``:
+    a link by that name points there, and llama-server writes through it."""
+    def write_into(name: str) -> dict:
+        point(root / name, target)
+        return write(name)
+    return write_into
