@@ -113,7 +113,7 @@ test-unit: $(VENV)/.requirements seaweedfs
 # fast stubbed suite: paths or module names (MODULES="kvproxy/storage/store.py relay"); MODULES=all
 # mutates every module (MUTATE is the older name of MODULES). Bounded: each mutant by mutmut's
 # CPU limit, the whole run by MUTATE_TIMEOUT seconds. Prints the kill rate and the survivors.
-# MUTATE_TESTS="tests/test_switch.py ..." runs only those test files against each mutant (the
+# MUTATE_TESTS="tests/unit/test_switch.py ..." runs only those test files against each mutant (the
 # switch is covered by most of the suite: a full run of it takes hours on two cores otherwise);
 # MUTATE_TIMEOUT_MULTIPLIER=2 stops a mutant that hangs a test sooner (mutmut's default: 15x).
 MUTATE ?= kvproxy/slots/switch.py kvproxy/sessions/identity.py kvproxy/storage/store.py kvproxy/relay/relay.py kvproxy/relay/session.py kvproxy/relay/answer.py kvproxy/relay/prompt.py

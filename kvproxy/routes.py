@@ -311,7 +311,7 @@ def document() -> str:
     return f"""# Routes
 
 Every URL kvproxy answers, generated from `kvproxy/routes.py` (the one place routes are
-declared) by `python -m kvproxy.routes > docs/routes.md`; `tests/test_routes.py` fails
+declared) by `python -m kvproxy.routes > docs/routes.md`; `tests/unit/test_routes.py` fails
 when this page and the table differ.
 
 Each route belongs to a family. Its errors (bad requests, llama-server failures, a

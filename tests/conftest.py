@@ -158,29 +158,39 @@ def fake(tmp_path):
         yield FakeLlama(mock, tmp_path)
 
 
-# -- file names follow markers -----------------------------------------------------------
+# -- folders follow markers -------------------------------------------------------------
 PROCESS_MARKERS = ("real", "deploy")   # tests that start llama-server, gunicorn or nginx
+TESTS = Path(__file__).resolve().parent
 
 
-def misnamed(items: list[tuple[str, set[str]]]) -> list[str]:
-    """Tests whose file name disagrees with their markers: ``*_real.py`` holds exactly the
-    tests that start processes (marked ``real`` or ``deploy``), so a file's name tells which
-    set runs it. ``items``: (file name, marker names) per test."""
+def folder_for(marks: set[str]) -> str:
+    """The folder of tests/ for a test with these markers: ``deploy`` for the tests marked
+    ``deploy`` (most also ``real``), ``real`` for the other tests marked ``real``, ``unit``
+    for the rest."""
+    if "deploy" in marks:
+        return "deploy"
+    return "real" if "real" in marks else "unit"
+
+
+def misplaced(items: list[tuple[str, set[str]]]) -> list[str]:
+    """Tests whose folder disagrees with their markers, so that a file's folder tells which
+    set runs it. ``items``: (path inside tests/, marker names) per test."""
     wrong = []
-    for name, marks in items:
-        found = sorted(marks & set(PROCESS_MARKERS))
-        if name.endswith("_real.py") != bool(found):
+    for path, marks in items:
+        folder = folder_for(marks)
+        if Path(path).parts[0] != folder:
+            found = sorted(marks & set(PROCESS_MARKERS))
             why = f"marked {'/'.join(found)}" if found else "not marked real or deploy"
-            wrong.append(f"{name} ({why})")
+            wrong.append(f"{path} ({why}: belongs in tests/{folder}/)")
     return sorted(set(wrong))
 
 
 def pytest_collection_modifyitems(config, items):
-    wrong = misnamed([(Path(str(item.fspath)).name, {m.name for m in item.iter_markers()})
-                      for item in items])
+    wrong = misplaced([(item.path.resolve().relative_to(TESTS).as_posix(),
+                        {m.name for m in item.iter_markers()}) for item in items])
     if wrong:
-        raise pytest.UsageError("test file names must follow their markers (*_real.py holds the "
-                                "tests marked real or deploy): " + ", ".join(wrong))
+        raise pytest.UsageError("test files must sit in the folder of their markers (unit/: "
+                                "neither, real/: real, deploy/: deploy): " + ", ".join(wrong))
 
 
 _REAL_SEND = requests.adapters.HTTPAdapter.send

@@ -2,7 +2,7 @@
 
 mutmut runs, for each mutant, every selected test that covers the mutated function. The switch is
 covered by most of the suite, so on a small machine a full run of it takes hours; naming the
-tests that target a module (``MUTATE_TESTS="tests/test_switch.py ..."``) and stopping hung
+tests that target a module (``MUTATE_TESTS="tests/unit/test_switch.py ..."``) and stopping hung
 mutants sooner (``MUTATE_TIMEOUT_MULTIPLIER=2``) make it practical.
 mutmut reads its settings only from ``setup.cfg``; this wrapper overrides the test selection
 there instead of editing the file. Usage: ``python -m tests.mutate_run run [mutant names]``.

@@ -1,5 +1,5 @@
 """The status page in headless Chromium: the browser fixture and the page helpers the real
-status-page tests share (tests/test_status_real.py, tests/test_browser_guard_real.py)."""
+status-page tests share (tests/real/test_status_real.py, tests/real/test_browser_guard_real.py)."""
 from __future__ import annotations
 
 import shutil

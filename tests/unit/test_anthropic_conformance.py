@@ -18,7 +18,7 @@ from kvproxy.translate import anthropic as t
 from recorder import load_fixtures
 
 UPSTREAM = "http://llama.test"
-RECORDED = Path(__file__).parent / "fixtures" / "recorded"
+RECORDED = Path(__file__).parents[1] / "fixtures" / "recorded"
 CLAUDE_CODE = load_fixtures(RECORDED / "claude-code")
 
 

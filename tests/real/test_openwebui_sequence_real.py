@@ -29,7 +29,7 @@ CHAT_ID = "3f1c2a9e-5b7d-4e21-9a0c-7d1e2f3a4b5c"
 USER_HEADERS = {"X-OpenWebUI-Chat-Id": CHAT_ID, "X-OpenWebUI-User-Id": "u-1",
                 "X-OpenWebUI-User-Name": "Ada", "X-OpenWebUI-User-Email": "ada@example.org",
                 "X-OpenWebUI-User-Role": "user"}
-RECORDED = load_fixtures(Path(__file__).parent / "fixtures" / "recorded" / "openwebui")
+RECORDED = load_fixtures(Path(__file__).parents[1] / "fixtures" / "recorded" / "openwebui")
 DURATIONS = ("total_duration", "load_duration", "prompt_eval_count", "prompt_eval_duration",
              "eval_count", "eval_duration")
 

@@ -80,7 +80,7 @@ def test_recorded_codex_request_is_named_by_its_session():
     """Codex CLI 0.171 sends its session id as a Session-Id header and as prompt_cache_key."""
     import json
     from pathlib import Path
-    recorded = json.loads((Path(__file__).parent / "fixtures/recorded/codex/"
+    recorded = json.loads((Path(__file__).parents[1] / "fixtures/recorded/codex/"
                            "01-responses-first-turn.json").read_text())
     body = recorded["body"]
     from werkzeug.datastructures import Headers

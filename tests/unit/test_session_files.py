@@ -9,7 +9,7 @@ from kvproxy.storage.folder import FolderFiles
 from kvproxy.storage.session_files import NotAsRecorded, SaveFailed, SessionFiles
 from kvproxy.storage.store import SessionStore
 
-STORAGE = Path(__file__).resolve().parents[1] / "kvproxy" / "storage"
+STORAGE = Path(__file__).resolve().parents[2] / "kvproxy" / "storage"
 
 
 def interface_methods():

@@ -129,7 +129,7 @@ def test_recorded_llama_vscode_completions_reuse_the_editor_session(stack):
     """Its ring-buffer update (n_predict 0) loads the project chunks; the completions
     after it, at two places in one file and the speculative one after an answer, run in
     the editor's session and read the chunks and the shared prefix from the slot."""
-    recorded = load_fixtures(Path(__file__).parent / "fixtures" / "recorded" / "llama-vscode")
+    recorded = load_fixtures(Path(__file__).parents[1] / "fixtures" / "recorded" / "llama-vscode")
     session = [r for r in recorded if "expect" not in r]
     assert session[0]["body"]["n_predict"] == 0 and len(session) == 4
     figures = []

@@ -32,7 +32,7 @@ def test_invalid_values_name_the_variable(env):
 
 
 def test_every_setting_is_in_the_configuration_page():
-    page = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    page = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
     assert markdown_table() in page, ("docs/configuration.md's settings table is out of date: "
                                       "paste kvproxy.config.markdown_table() into it")
     for setting in SETTINGS:
@@ -108,7 +108,7 @@ def test_start_up_prints_one_line_and_exits(env):
     import os
     import subprocess
     import sys
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     result = subprocess.run([sys.executable, "-c", "import wsgi"], cwd=root, capture_output=True,
                             text=True, timeout=60,
                             env={**os.environ, "KVPROXY_UPSTREAM": "http://127.0.0.1:9", **env})
@@ -122,7 +122,7 @@ def test_make_run_refuses_a_bad_setting_before_starting_anything(tmp_path):
     import os
     import subprocess
     import sys
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     result = subprocess.run([sys.executable, "-m", "kvproxy.launch.serve"], cwd=root, capture_output=True,
                             text=True, timeout=60,
                             env={**os.environ, "KVPROXY_SLOT_DIR": str(tmp_path / "slots"),

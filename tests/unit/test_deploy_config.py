@@ -2,8 +2,8 @@
 
 nginx sites (deploy/nginx/), systemd units and their environment file (deploy/systemd/)
 and gunicorn.conf.py: the values that must line up are read from the files themselves.
-The live behaviour is tested with a real nginx in test_deploy_nginx_real.py and
-test_deploy_cluster_real.py.
+The live behaviour is tested with a real nginx in tests/deploy/test_deploy_nginx_real.py and
+tests/deploy/test_deploy_cluster_real.py.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 MODULES = sorted(path.stem for path in BENCH.glob("*.py") if path.stem != "__init__")
 
 

@@ -20,7 +20,7 @@ from recorder import load_fixtures
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(1800)]
 
-RECORDED = load_fixtures(Path(__file__).parent / "fixtures" / "recorded" / "codex")
+RECORDED = load_fixtures(Path(__file__).parents[1] / "fixtures" / "recorded" / "codex")
 
 
 def send(url: str, record: dict) -> tuple[requests.Response, dict]:

@@ -61,7 +61,7 @@ def test_make_run_refuses_a_bad_slot_count_before_starting_anything(tmp_path):
     import subprocess
     import sys
     from pathlib import Path
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     result = subprocess.run([sys.executable, "-m", "kvproxy.launch.serve"], cwd=root, capture_output=True,
                             text=True, timeout=60,
                             env={**os.environ, "KVPROXY_SLOT_DIR": str(tmp_path / "slots"),
@@ -107,7 +107,7 @@ def test_stopping_waits_until_every_process_of_the_group_has_ended(tmp_path):
     from pathlib import Path
     marker = tmp_path / "saved"
     result = subprocess.run([sys.executable, "-c", GROUP_SCRIPT, str(marker)], timeout=60,
-                            cwd=Path(__file__).resolve().parent.parent, capture_output=True,
+                            cwd=Path(__file__).resolve().parents[2], capture_output=True,
                             text=True)
     saved, waited, alive = result.stdout.split()
     assert saved == "True", f"stop_process returned before the member's save ({result.stderr})"

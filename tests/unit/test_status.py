@@ -16,7 +16,7 @@ from kvproxy.slots.switch import fingerprint, fingerprint_key
 from tests.fake_llama import MODELS, PROPS, UPSTREAM, FakeLlama, MODEL
 
 AUTH = {"Authorization": "Bearer s3cret"}
-STATIC = Path(__file__).resolve().parent.parent / "kvproxy" / "static"
+STATIC = Path(__file__).resolve().parents[2] / "kvproxy" / "static"
 
 
 @pytest.fixture

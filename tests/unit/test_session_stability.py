@@ -17,7 +17,7 @@ from kvproxy.config import load_settings
 from kvproxy.translate import anthropic as anthropic_translate
 from recorder import load_fixtures
 
-RECORDED = load_fixtures(Path(__file__).parent / "fixtures" / "recorded" / "claude-code")
+RECORDED = load_fixtures(Path(__file__).parents[1] / "fixtures" / "recorded" / "claude-code")
 HEADERS = load_settings(environ={}).session_headers
 
 

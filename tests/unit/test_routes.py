@@ -6,7 +6,7 @@ import pytest
 
 from kvproxy import create_app, routes
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "routes.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "routes.md"
 
 
 @pytest.fixture

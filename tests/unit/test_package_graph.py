@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kvproxy import routes
 
-PACKAGE = Path(__file__).resolve().parent.parent / "kvproxy"
+PACKAGE = Path(__file__).resolve().parents[2] / "kvproxy"
 INIT = "__init__"
 
 

@@ -18,7 +18,7 @@ from tests.status_page import ask, browser, open_page, slot_shows, wait_until  #
 pytestmark = pytest.mark.real
 
 TOKEN = "op-t0ken-5e1f"
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "var" / "test-artifacts"
 
 

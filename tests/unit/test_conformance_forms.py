@@ -8,7 +8,7 @@ import pytest
 from tests.conformance import (DIFFERENCES, Difference, Entry, bounded, differences, form_of,
                                key_paths, load_corpus, markdown_table, stream_events)
 
-CLIENTS_DOC = Path(__file__).resolve().parent.parent / "docs" / "clients.md"
+CLIENTS_DOC = Path(__file__).resolve().parents[2] / "docs" / "clients.md"
 
 
 def sse(*events):

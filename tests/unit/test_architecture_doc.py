@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ENTRY = re.compile(r"^( *)([\w.]+/?) {2,}\S")   # "  slots/   caption", "    plan.py   caption"
 
 

@@ -27,7 +27,7 @@ from recorder import load_fixtures
 
 pytestmark = pytest.mark.real
 
-RECORDED = load_fixtures(Path(__file__).parent / "fixtures" / "recorded" / "claude-code")
+RECORDED = load_fixtures(Path(__file__).parents[1] / "fixtures" / "recorded" / "claude-code")
 SHRINK = 400
 
 
