@@ -99,6 +99,10 @@ HOT_RESTORES = Counter("kvproxy_hot_restores_total",
                        "the chunks)", ["source"], registry=REGISTRY)
 
 
+HOT_BYTES = Gauge("kvproxy_hot_bytes", "Bytes of the hot copies in KVPROXY_HOT_DIR (memory)",
+                  registry=REGISTRY)
+
+
 def count_hot_restore(hot: bool) -> None:
     """Count a restore from a hot copy, or one put together from chunks while hot copies are on."""
     HOT_RESTORES.labels("hot" if hot else "assembled").inc()

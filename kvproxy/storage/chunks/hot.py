@@ -24,6 +24,7 @@ import threading
 from pathlib import Path
 from typing import Iterator
 
+from kvproxy.telemetry import metrics
 from kvproxy.upstream import slot_layout
 
 log = logging.getLogger("kvproxy.disk")
@@ -66,7 +67,7 @@ class HotCopies:
             for old in self._copies_of(stem):
                 if old != final:
                     self._remove(old)
-            self._trim()
+            metrics.HOT_BYTES.set(self._trim())
 
     # -- files going out ----------------------------------------------------------------
     @contextlib.contextmanager
@@ -136,8 +137,9 @@ class HotCopies:
         except OSError:
             return []
 
-    def _trim(self) -> None:
-        """Delete the least recently used copies, not lent, until the folder fits its budget."""
+    def _trim(self) -> int:
+        """Delete the least recently used copies, not lent, until the folder fits its budget;
+        the bytes left."""
         listing = sorted(self._listing(), key=lambda item: item[2])
         total = sum(size for _, size, _ in listing)
         for path, size, _ in listing:
@@ -145,6 +147,7 @@ class HotCopies:
                 break
             if self._remove(path):
                 total -= size
+        return total
 
     def _remove(self, path: Path) -> bool:
         if path in self._lent:
