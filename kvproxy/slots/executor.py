@@ -2,10 +2,11 @@
 
 The thin side of the switch: ``carry_out`` performs a list of actions from ``plan`` (a swap:
 save, claim, restore, erase, base snapshots, record), from ``answer`` (the bookkeeping after an
-answer) and from the restore probe, against llama-server and the slot folder. Every action
-names the slot it acts on, which the caller holds (``SlotPool``). Saves go through
-``SlotSaver``; what this process knows of each slot beyond the state file is ``SlotMemory``,
-changed only here.
+answer) and from the restore probe, against llama-server and the slot folder; ``run`` performs
+the steps of a decision that needs each answer before its next step (the restore probe's).
+Every action names the slot it acts on, which the caller holds (``SlotPool``). Saves go
+through ``SlotSaver``, restores through ``SlotRestorer``; what this process knows of each slot
+beyond the state file is ``SlotMemory``, changed only here.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Callable
 
 from kvproxy.telemetry import metrics
 from kvproxy.sessions.identity import Session
-from kvproxy.slots import answer, plan
+from kvproxy.slots import answer, restore_probe as probe
 from kvproxy.slots.facts import SlotFacts
 from kvproxy.slots.memory import SlotMemory
 # HeldElsewhere and Prefill are imported from here by older callers.
@@ -24,12 +25,13 @@ from kvproxy.slots.plan import (FILLING, MISS, RESTORED, Adopt, Claim, Erase, Ke
                                 MarkUnproven, NoteKvFormat, Record, Refuse, Restore, Save,
                                 WriteRecord)
 from kvproxy.slots.restore_check import RestoreCheck, verify_restore
+from kvproxy.slots.restoring import SlotRestorer
 from kvproxy.slots.saving import SlotSaver
 from kvproxy.slots.state import Phase, SlotState, SlotTable, claimed_for
 from kvproxy.storage.session_files import SaveFailed, SessionFiles
-from kvproxy.errors import StorageError
-from kvproxy.storage.store import SessionStore, now_iso
-from kvproxy.upstream.llama import LlamaClient, UpstreamError
+from kvproxy.storage.store import SessionStore, now_iso, unlink_with_companions
+from kvproxy.upstream import slot_file
+from kvproxy.upstream.llama import LlamaClient
 
 log = logging.getLogger("kvproxy.switch")
 
@@ -47,6 +49,7 @@ class SlotExecutor:
         self.memory = SlotMemory()
         self.facts = SlotFacts(client, files, self.memory)
         self.saver = SlotSaver(client, store, table, files, self.memory, self.mark_unproven)
+        self.restorer = SlotRestorer(client, store, files)
 
     # -- carrying out a plan -------------------------------------------------
     def carry_out(self, actions: list, made_by: dict | None = None,
@@ -73,15 +76,16 @@ class SlotExecutor:
             elif isinstance(action, Claim):
                 self.claim(action.slot, action.session, slot_ids)
             elif isinstance(action, Refuse):
-                self.refuse(action)
+                self.restorer.refuse(action)
             elif isinstance(action, Restore):
                 self.memory.touch(action.slot)
                 if beside_restore is not None:
                     beside_restore()
                 # A refusal is remembered against a confirmed fingerprint only: planned with
                 # an unconfirmed one, the server refusing may be another (restarted) one.
-                done = self.restore(action.stem, action.slot,
-                                    made_by if beside_restore is None else None, action.saved_at)
+                done = self.restorer.restore(action.stem, action.slot,
+                                             made_by if beside_restore is None else None,
+                                             action.saved_at)
                 if done is not None:
                     filled = Filled(action.cache, done[0], action.stem, restore_ms=done[1],
                                     saved_at=action.saved_at)
@@ -103,8 +107,42 @@ class SlotExecutor:
                 self.perform(action)
         return filled or Filled(MISS, 0)
 
+    def run(self, steps: probe.Steps, client: LlamaClient | None = None) -> object:
+        """Perform each step ``steps`` yields (``perform_step``, against ``client``, else the
+        switch's) and send back its answer, or throw in whatever it raised: the steps judge
+        it, and end as they must (the probe removes its file). What the steps return."""
+        answer_, failure = None, None
+        while True:
+            try:
+                step = steps.send(answer_) if failure is None else steps.throw(failure)
+            except StopIteration as done:
+                return done.value
+            try:
+                answer_ = self.perform_step(step, self.client if client is None else client)
+                failure = None
+            except BaseException as exc:  # noqa: BLE001 - thrown into the steps
+                answer_, failure = None, exc
+
+    def perform_step(self, step, client: LlamaClient) -> object:
+        """One step of the restore probe: llama-server's answer, or the slot folder's."""
+        if isinstance(step, probe.Tokenize):
+            return client.tokenize(step.text)
+        if isinstance(step, probe.PrefillTokens):
+            return client.prefill(step.tokens, step.slot)
+        if isinstance(step, probe.SlotCall):
+            return client.slot_action(step.slot, step.action, *([step.name] if step.name else []))
+        if isinstance(step, probe.Completion):
+            return client.post_json("/completion", step.body)
+        if isinstance(step, probe.ListSlots):
+            return client.slots()
+        if isinstance(step, probe.ReadKvFormat):
+            return slot_file.kv_format(self.store.root / step.name)
+        if isinstance(step, probe.RemoveFile):
+            return unlink_with_companions(self.store.root / step.name)
+        raise TypeError(f"not a step the executor knows: {step!r}")
+
     def perform(self, action) -> None:
-        """One action of the bookkeeping after an answer or of the restore probe."""
+        """One action of the bookkeeping after an answer or of what the restore probe left."""
         if isinstance(action, MarkUnproven):
             self.mark_unproven(action.slot)
         elif isinstance(action, WriteRecord):
@@ -219,22 +257,6 @@ class SlotExecutor:
         """``state``, the table's entry for ``slot``, with the swap done there not yet written."""
         return self.memory.recorded(slot, state)
 
-    def refuse(self, refused: Refuse) -> None:
-        stem, reason = refused.stem, refused.reason
-        if refused.quarantine:
-            log.warning("not restoring %s.bin: %s; %s, the session starts fresh",
-                        stem, reason, self.files.set_aside(stem, reason))
-        elif refused.metric == "too_big":
-            log.warning("not restoring %s.bin: %s (llama-server would fail and wipe the slot); "
-                        "the session starts fresh", stem, reason)
-        else:
-            log.warning("not restoring %s.bin: %s", stem, reason)
-        if refused.record:
-            self.store.update_sidecar(stem, {}, of_save=refused.saved_at, refused=reason,
-                                      refused_at=now_iso())
-        if refused.metric:
-            metrics.RESTORE_MISSES.labels(refused.metric).inc()
-
     def save_session(self, slot: int, state: SlotState, made_by: dict,
                      keep: set[str] = frozenset()) -> dict | None:
         """Save the session the record says ``slot`` holds into its own file; as ``save``.
@@ -248,34 +270,6 @@ class SlotExecutor:
              keep: set[str] = frozenset()) -> dict | None:
         """Save ``slot`` as ``<stem>.bin`` (``SlotSaver.save``)."""
         return self.saver.save(session_id, stem, made_by, kind, system_hash, slot, tokens, keep)
-
-    def restore(self, stem: str, slot: int, made_by: dict | None = None,
-                saved_at: str | None = None) -> tuple[int, float] | None:
-        """Restore ``<stem>.bin`` into ``slot``: the tokens restored and llama-server's time for
-        it (the lease records both in the sidecar after the answer), None when it failed.
-        A file llama-server refuses (``plan.remember_refusal``) is remembered in its sidecar
-        with the server that refused it, so it is not offered to that server again and a
-        refused base is made afresh (only the save ``saved_at``: one put in place since was
-        not refused)."""
-        started = time.monotonic()
-        try:
-            with self.files.staged(stem) as name:
-                answer_ = self.client.slot_action(slot, "restore", name)
-        except StorageError as exc:   # not put together: llama-server was not asked
-            log.warning("restore of %s failed: %s", stem, exc)
-            metrics.RESTORE_MISSES.labels("failed").inc()
-            return None
-        except UpstreamError as exc:  # a failed restore wipes the slot; erase keeps it clean
-            log.warning("restore of %s.bin failed: %s", stem, exc.message)
-            metrics.RESTORE_MISSES.labels("failed").inc()
-            if plan.remember_refusal(exc.status, made_by):
-                self.store.update_sidecar(stem, {}, of_save=saved_at, refused=exc.message,
-                                          refused_at=now_iso(), refused_by=made_by)
-            return None
-        restore_ms = (answer_.get("timings") or {}).get("restore_ms",
-                                                        (time.monotonic() - started) * 1000)
-        metrics.observe_swap("restore", time.monotonic() - started, answer_.get("n_read", 0))
-        return int(answer_.get("n_restored") or 0), float(restore_ms)
 
     def erase(self, slot: int, autoload: bool = True) -> None:
         started = time.monotonic()

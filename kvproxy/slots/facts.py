@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import Callable
 
 from kvproxy.sessions.identity import Session, base_stem
 from kvproxy.slots import plan
@@ -68,10 +69,12 @@ class SlotFacts:
             return 0
         return int(entry.get("n_prompt_tokens") or 0) if entry and "id_task" in entry else 0
 
-    def prefix_facts(self, session: Session, prompt: PromptView,
-                     base: FileFacts | None) -> FileFacts | None:
+    def prefix_facts(self, session: Session, prompt: PromptView, base: FileFacts | None,
+                     pin: Callable[[set[str]], object]) -> FileFacts | None:
         """The stored session of ``session``'s user holding the longest start of its prompt,
-        when it holds more of it than the base snapshot (``SessionFiles.longest_prefix``)."""
+        when it holds more of it than the base snapshot (``SessionFiles.longest_prefix``). It
+        is pinned (``pin``) before its file is looked at: what the swap sees of it stays so
+        until the swap is done."""
         try:
             found = self.files.longest_prefix(prompt.tokens,
                                               lambda stem: plan.may_seed_from(session, stem))
@@ -80,6 +83,7 @@ class SlotFacts:
             return None
         if found is None or not plan.prefix_beats_base(found.tokens, base):
             return None
+        pin({found.stem})
         log.info("session %s starts from %s, which holds the first %d tokens of its prompt",
                  session.id, found.stem, found.tokens)
         return self.file_facts(found.stem)
@@ -98,7 +102,9 @@ class SlotFacts:
 
     def swap_facts(self, slot: int, state: SlotState, session: Session, view: str,
                    made_by: dict, restoring_off: bool, base_snapshots: bool,
-                   prompt: PromptView | None) -> SwapFacts:
+                   prompt: PromptView | None, pin: Callable[[set[str]], object]) -> SwapFacts:
+        """The swap's facts. A file found here beyond ``plan.incoming_stems`` (which the
+        caller pinned) is pinned with ``pin`` as it is found."""
         own = self.file_facts(session.stem, fetch=True) if session.persistent else None
         # What may stand in for the conversation's own file is fetched only without it: the
         # conversation it follows or forks from first, else its system prompt's base.
@@ -108,7 +114,7 @@ class SlotFacts:
         base = self.file_facts(base_stem(session.base_hash, session.model),
                                fetch=lacking and not (seed and seed.on_disk)) \
             if session.persistent and session.base_hash and base_snapshots else None
-        prefix = self.prefix_facts(session, prompt, base) \
+        prefix = self.prefix_facts(session, prompt, base, pin) \
             if plan.looks_for_prefix(session, own, restoring_off, prompt is not None) else None
         facts = SwapFacts(slot, state, session, view, made_by, restoring_off, own, base,
                           None, base_snapshots, prompt is not None, seed, prefix)

@@ -91,10 +91,12 @@ class ModelSwitches:
     def _share(self, switch: SlotSwitch) -> None:
         """What every model's switch keeps in common with the default one: deletions (a
         session's spans every model), the recent activity and dropped saves (the status page,
-        /health and the command line read the default switch's)."""
+        /health and the command line read the default switch's), and the pins of files swaps
+        are about to restore (one folder: no model's eviction deletes another's)."""
         switch.deletions = self.default.deletions
         switch.activity = self.default.activity
         switch.budget.dropped = self.default.budget.dropped
+        switch.budget.share_pins(self.default.budget)
 
     def serving(self, loaded_only: bool = False) -> list[SlotSwitch]:
         """The switches whose slots kvproxy drives: behind a router one per model asked for

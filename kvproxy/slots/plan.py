@@ -455,13 +455,20 @@ def too_big(n_tokens: object, slot_n_ctx: int | None) -> str | None:
 
 
 def incoming_stems(session: Session) -> set[str]:
-    """Files a swap to ``session`` may restore: eviction must not delete them."""
+    """Files a swap to ``session`` may restore, known before its facts are gathered: eviction
+    must not delete them (``restorable_stems`` adds what the facts found)."""
     stems = {session.stem}
     if session.seed:
         stems.add(session.seed_stem)
     if session.base_hash:
         stems.add(base_stem(session.base_hash, session.model))
     return stems
+
+
+def restorable_stems(facts: SwapFacts) -> set[str]:
+    """Every file the swap's plan may restore: ``incoming_stems``, and the stored start of the
+    prompt its facts found (``prefix``)."""
+    return incoming_stems(facts.session) | ({facts.prefix.stem} if facts.prefix else set())
 
 
 def side_slot(table: dict[int, SlotState], slot_ids: list[int]) -> int:

@@ -7,9 +7,10 @@ in the slot about to be swapped (``restore_probe``).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from kvproxy.telemetry import metrics
 from kvproxy.sessions.identity import Session
@@ -61,15 +62,19 @@ class SlotSwaps:
             state, view = self._same_llama_server(slot, state, view, started)
         made_by, asking = switch.fingerprints.for_swap()
         session = session.on_model(plan.model_of(made_by))
-        # The files this swap may restore stay until it is done (eviction by other slots).
-        with switch.files.pinned(incoming_stems(session)):
+        # The files this swap may restore stay until it is done (eviction by other slots and
+        # by its own saves); a stored start of its prompt joins them once it is found.
+        with contextlib.ExitStack() as pins:
+            pins.enter_context(switch.files.pinned(incoming_stems(session)))
             return self._fill(asked_for, session, prompt, slot, placed, state, view, made_by,
-                              asking, started)
+                              asking, started,
+                              lambda stems: pins.enter_context(switch.files.pinned(stems)))
 
     def _fill(self, asked_for: Session, session: Session, prompt: PromptView | None,
               slot: int, placed: str, state: SlotState, view: str, made_by: dict, asking,
-              started: float) -> Lease:
-        """The rest of a swap that is not a hit: plan it from the facts, carry it out."""
+              started: float, pin: Callable[[set[str]], object]) -> Lease:
+        """The rest of a swap that is not a hit: plan it from the facts, carry it out;
+        ``pin`` keeps more files from eviction until the swap is done."""
         switch = self.switch
         restoring_off = switch.restore_check.restoring_off(fingerprint_key(made_by))
         if view == plan.UNASKED and plan.swap_needs_view(state, session, restoring_off):
@@ -83,7 +88,7 @@ class SlotSwaps:
             made_by, asking = switch.current_made_by(), None
             restoring_off = switch.restore_check.restoring_off(fingerprint_key(made_by))
         facts = self.facts.swap_facts(slot, state, session, view, made_by, restoring_off,
-                                      switch.settings.base_snapshots, prompt)
+                                      switch.settings.base_snapshots, prompt, pin)
         actions = plan.plan_swap(facts)
         if asking is not None and not plan.undoable(actions):
             if asking.changed(made_by) is not None:
@@ -91,7 +96,7 @@ class SlotSwaps:
                 return self.swap_to(asked_for, prompt, slot, placed)  # planned afresh
             asking = None
         filled = self.executor.carry_out(actions, made_by, prompt, switch.slot_ids(),
-                                         keep=incoming_stems(session),
+                                         keep=plan.restorable_stems(facts),
                                          beside_restore=asking.start if asking else None)
         if asking is not None and asking.changed(made_by) is not None:
             log.warning("llama-server changed during the swap of slot %d (its fingerprint "

@@ -184,6 +184,11 @@ class DiskBudget:
                 self._pins.subtract(stems)
                 self._pins += collections.Counter()   # drops stems no swap pins any more
 
+    def share_pins(self, other: "DiskBudget") -> None:
+        """Pin and evict as one with ``other``, a budget of the same folder (another model's,
+        behind a router): neither evicts a file a swap of the other pinned."""
+        self._pins, self._pins_lock = other._pins, other._pins_lock
+
     def free_bytes(self) -> int | None:
         try:
             return shutil.disk_usage(self.store.root).free

@@ -144,6 +144,7 @@ def sweep(store: SessionStore) -> list[str]:
         if store.bin_path(stem).is_file():   # the whole file is the newer save (``chunks.files``)
             path.unlink(missing_ok=True)
             done.append(f"deleted {path.name}: {stem}.bin beside it is newer")
+            named_whole(store, stem)
         elif not (store.read_sidecar(stem) or {}).get("saved_at"):
             quarantine(store, stem, "no sidecar says what made it")
             done.append(f"moved {path.name} to {QUARANTINE_DIR}/: no sidecar says what made it")
@@ -160,6 +161,15 @@ def sweep(store: SessionStore) -> list[str]:
             store.sidecar_path(stem).unlink(missing_ok=True)
             done.append(f"deleted {stem}.json: {why}")
     return done
+
+
+def named_whole(store: SessionStore, stem: str) -> None:
+    """A cut that stopped between naming its manifest in the sidecar and deleting the whole
+    file: the whole file is what stays, and the sidecar says so again."""
+    sidecar = store.read_sidecar(stem) or {}
+    if sidecar.get("stored_as") == "chunks":
+        store.update_sidecar(stem, {}, stored_as="file", chunks=None,
+                             written_bytes=sidecar.get("saved_bytes"))
 
 
 def fileless_sidecar_stale(sidecar: dict, now: datetime) -> str | None:

@@ -63,12 +63,13 @@ def probed(monkeypatch):
         format, fake = Q8, None   # the stub llama-server the probe runs a task in
     slots = Probed()
 
-    def probe(client, root, slot):
+    def probe(slot, name):   # no step of its own: the verdict at once
         slots.append(slot)
         if slots.fake is not None:
             slots.fake.last_task += 1
             slots.fake.tasks[slot] = slots.fake.last_task
         return restore_probe.ProbeVerdict(True, 120, 119, slots.format)
+        yield
     monkeypatch.setattr(restore_probe, "probe", probe)
     return slots
 

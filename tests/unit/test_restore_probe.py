@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import pytest
 
+from kvproxy.slots.executor import SlotExecutor
 from kvproxy.slots.plan import fingerprint_key
-from kvproxy.slots.restore_probe import PROBE_TEXT, probe, prove_restores
-from kvproxy.slots.state import Phase, SlotState
+from kvproxy.slots.restore_probe import PROBE_TEXT, probe, probe_name, prove_restores
+from kvproxy.slots.state import Phase, SlotState, SlotTable
+from kvproxy.storage.folder import FolderFiles
+from kvproxy.storage.store import SessionStore
 from kvproxy.upstream.llama import UpstreamError
 from tests.fake_llama import make_switch
 from tests.support import slot_file
@@ -49,8 +52,16 @@ class ProbeClient:
         return {"timings": {"cache_n": reused, "prompt_n": self.n - reused}}
 
 
+def probed(client, root, slot: int = 0):
+    """The probe in ``slot``, its steps performed by an executor of the folder ``root``
+    talking to ``client``."""
+    store = SessionStore(root)
+    executor = SlotExecutor(client, store, SlotTable(store), FolderFiles(store))
+    return executor.run(probe(slot, probe_name()))
+
+
 def test_a_restore_that_is_reused_passes_and_the_probe_file_is_gone(tmp_path):
-    verdict = probe(ProbeClient(tmp_path), tmp_path, 0)
+    verdict = probed(ProbeClient(tmp_path), tmp_path)
     assert verdict.honoured is True and verdict.kv_format.startswith("k=q8_0 v=q8_0")
     assert verdict.reused == verdict.restored - 1
     assert not list(tmp_path.glob("probe.*"))
@@ -58,14 +69,14 @@ def test_a_restore_that_is_reused_passes_and_the_probe_file_is_gone(tmp_path):
 
 def test_a_restore_that_is_recomputed_fails(tmp_path):
     client = ProbeClient(tmp_path, reuses=0)
-    assert probe(client, tmp_path, 0).honoured is False
+    assert probed(client, tmp_path).honoured is False
     assert client.calls == ["tokenize", "prefill", "save", "erase", "restore", "completion",
                             "erase"]
 
 
 @pytest.mark.parametrize("step", ["tokenize", "save", "restore"])
 def test_a_probe_that_cannot_finish_says_so_and_leaves_no_file(tmp_path, step):
-    verdict = probe(ProbeClient(tmp_path, fail_at=step), tmp_path, 0)
+    verdict = probed(ProbeClient(tmp_path, fail_at=step), tmp_path)
     assert verdict.honoured is None and f"{step} refused" in verdict.detail
     assert verdict.touched is (step != "tokenize")
     assert not list(tmp_path.glob("probe.*"))
@@ -128,8 +139,12 @@ def test_a_slot_emptied_while_restoring_is_off_is_probed_again(fake, tmp_path, m
     switch.table.put(0, SlotState(Phase.OURS, session_id="A", key="kA", stem="A",
                                   persistent=True, tokens=9))   # /slots shows the slot empty
     probed = []
-    monkeypatch.setattr(restore_probe, "probe", lambda client, root, slot: probed.append(slot)
-                        or restore_probe.ProbeVerdict(True, 120, 119))
+
+    def probe(slot, name):   # no step of its own: the verdict at once
+        probed.append(slot)
+        return restore_probe.ProbeVerdict(True, 120, 119)
+        yield
+    monkeypatch.setattr(restore_probe, "probe", probe)
     switch.release(switch.acquire(Session("B", "test")), {})
     assert probed == [0] and not switch.restore_check.restoring_off(key)
     probed.clear()

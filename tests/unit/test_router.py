@@ -54,7 +54,7 @@ class FakeSwitch:
 
     def __init__(self, store=None, client=None):
         self.store, self.client, self.saved = store, client, []
-        self.budget = SimpleNamespace(dropped=None)
+        self.budget = SimpleNamespace(dropped=None, share_pins=lambda other: None)
 
     def checkpoint(self, timeout, unsaved_only=False):
         self.saved.append(unsaved_only)

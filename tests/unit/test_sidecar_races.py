@@ -81,7 +81,7 @@ def test_a_fork_reading_its_seed_while_the_seeds_save_is_put_in_place_quarantine
         problem = plan.restore_problem(executor.facts.file_facts(SEED), MADE_BY, None, 0)
         refused.append(problem)
         if problem is not None:
-            executor.refuse(problem)
+            executor.restorer.refuse(problem)
 
     threads = []
     real_move = checked_save.move_companions

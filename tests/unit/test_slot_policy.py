@@ -1,13 +1,15 @@
 """The slot decisions outside the swap, from facts alone, as the actions they return.
 
 The one save rule (used by the swap, the save behind, the checkpoint and side requests), the
-bookkeeping after an answer, what the restore probe leaves behind, the executor's policy
-helpers and the waiting queue's rules: each compared as lists of actions or decisions, the
-way ``test_swap_plan.py`` tests ``plan_swap``.
+bookkeeping after an answer, the restore probe's steps and what it leaves behind, the
+executor's policy helpers and the waiting queue's rules: each compared as lists of actions or
+decisions, the way ``test_swap_plan.py`` tests ``plan_swap``.
 """
 from __future__ import annotations
 
 from dataclasses import replace
+
+import pytest
 
 from kvproxy.sessions.identity import Session
 from kvproxy.slots import plan
@@ -18,8 +20,11 @@ from kvproxy.slots.plan import (EMPTY, FOREIGN, HIT, OURS, RESTORED, UNKNOWN, Ke
                                 MarkUnproven, NoteKvFormat, Save, WriteRecord, save_or_keep)
 from kvproxy.slots.queue import (MAX_OVERTAKEN, Kept, Waiter, join, keep_on_give_back,
                                  overtaken_by_take, serving_order)
-from kvproxy.slots.restore_probe import ProbeVerdict, after_probe
+from kvproxy.slots.restore_probe import (PROBE_TEXT, Completion, ListSlots, PrefillTokens,
+                                         ProbeVerdict, ReadKvFormat, RemoveFile, SlotCall,
+                                         Tokenize, after_probe, probe, spare_slot)
 from kvproxy.slots.state import Phase, SlotState, emptied
+from kvproxy.upstream.llama import UpstreamError, UpstreamUnavailable
 
 A = Session("A", "header", system_hash="sysA", key="kA")
 UNSAVED_A = SlotState(Phase.UNSAVED, session_id="A", key="kA", stem=A.stem, persistent=True,
@@ -131,6 +136,91 @@ def test_a_finished_probe_leaves_the_slot_empty_and_tells_the_kv_format(monkeypa
 def test_a_probe_stopped_half_way_trusts_nothing_there():
     assert after_probe(1, UNSAVED_A, ProbeVerdict(None, touched=True)) == [MarkUnproven(1)]
     assert after_probe(1, UNSAVED_A, ProbeVerdict(None, touched=False)) == []
+
+
+# -- the restore probe's steps ------------------------------------------------------------------
+NAME = "probe.0123456789abcdef.bin"
+TOKENS = list(range(130))
+# llama-server's answers by step (a slot call by its action), as the probe receives them.
+ANSWERS = {"Tokenize": TOKENS, "PrefillTokens": {}, "save": {"n_saved": 130}, "ReadKvFormat": "f16",
+           "erase": {}, "restore": {"n_restored": 130},
+           "Completion": {"timings": {"cache_n": 129, "prompt_n": 1}}, "RemoveFile": True}
+
+
+def stepped(steps, asked: list | None = None, **changed) -> tuple[list, object]:
+    """Drive ``steps`` as the executor does, with ``ANSWERS`` (``changed`` by name; an
+    exception is thrown in): the steps it yielded (into ``asked``), and what it returned."""
+    answers, asked, failure = {**ANSWERS, **changed}, [] if asked is None else asked, None
+    answer = None
+    while True:
+        try:
+            step = steps.send(answer) if failure is None else steps.throw(failure)
+        except StopIteration as done:
+            return asked, done.value
+        asked.append(step)
+        answer = answers[step.action if isinstance(step, SlotCall) else type(step).__name__]
+        failure, answer = (answer, None) if isinstance(answer, BaseException) else (None, answer)
+
+
+def probe_steps(slot: int, *, until: int = 8) -> list:
+    """The probe's steps in ``slot``, the first ``until`` of them, then its file removed."""
+    one_token = {"prompt": TOKENS, "n_predict": 1, "cache_prompt": True, "id_slot": slot,
+                 "temperature": 0, "stream": False}
+    steps = [Tokenize(PROBE_TEXT), PrefillTokens(slot, TOKENS), SlotCall(slot, "save", NAME),
+             ReadKvFormat(NAME), SlotCall(slot, "erase"), SlotCall(slot, "restore", NAME),
+             Completion(one_token), SlotCall(slot, "erase")]
+    return steps[:until] + [RemoveFile(NAME)]
+
+
+def test_the_probe_prefills_saves_erases_restores_asks_one_token_and_removes_its_file():
+    assert stepped(probe(1, NAME)) == (probe_steps(1), ProbeVerdict(
+        True, 130, 129, "f16", "129 of 130 restored tokens reused"))
+
+
+def test_a_restore_recomputed_is_not_honoured():
+    asked, verdict = stepped(probe(0, NAME), Completion={"timings": {"cache_n": 0}})
+    assert asked == probe_steps(0)
+    assert verdict == ProbeVerdict(False, 130, 0, "f16", "0 of 130 restored tokens reused")
+
+
+def test_too_few_tokens_restored_prove_nothing():
+    asked, verdict = stepped(probe(0, NAME), restore={"n_restored": 10})
+    assert asked == probe_steps(0) and verdict.honoured is None and verdict.touched
+
+
+@pytest.mark.parametrize("step, failure, until, touched", [
+    ("Tokenize", UpstreamUnavailable("llama-server is down"), 1, False),
+    ("save", UpstreamError(400, "save refused"), 3, True),
+    ("restore", UpstreamError(400, "restore refused"), 6, True),
+    ("Completion", {"timings": {"cache_n": "many"}}, 7, True),   # not what llama-server sends
+])
+def test_a_probe_stopped_half_way_says_why_and_still_removes_its_file(step, failure, until,
+                                                                      touched):
+    asked, verdict = stepped(probe(0, NAME), **{step: failure})
+    assert asked == probe_steps(0, until=until)
+    assert verdict.honoured is None and verdict.touched is touched
+    assert verdict.detail.startswith("the restore probe could not finish: ")
+
+
+def test_a_bug_in_a_step_goes_up_after_the_file_is_removed():
+    asked: list = []
+    with pytest.raises(RuntimeError, match="a bug"):
+        stepped(probe(0, NAME), asked, restore=RuntimeError("a bug"))
+    assert asked == probe_steps(0, until=6)
+
+
+def test_the_probe_takes_a_spare_slot_without_asking_then_one_llama_server_emptied():
+    held = SAVED_A.to(Phase.OURS, tokens=9)
+    assert stepped(spare_slot([0, 1], {0: held, 1: SlotState(Phase.CLAIMED)})) == ([], 1)
+    assert stepped(spare_slot([0, 1], {0: held})) == ([], 1), "no record: empty"
+    listing = [{"id": 0, "id_task": 3, "n_prompt_tokens": 9},
+               {"id": 1, "id_task": 4, "n_prompt_tokens": 0}]
+    both = {0: held, 1: held}
+    assert stepped(spare_slot([0, 1], both), ListSlots=listing) == ([ListSlots()], 1)
+    listing[1]["n_prompt_tokens"] = 9
+    assert stepped(spare_slot([0, 1], both), ListSlots=listing) == ([ListSlots()], None)
+    assert stepped(spare_slot([0, 1], both), ListSlots=UpstreamUnavailable("down")) == \
+        ([ListSlots()], None)
 
 
 # -- the executor's policy ----------------------------------------------------------------------

@@ -236,7 +236,7 @@ def swap_facts_of(tmp_path, session, here=()):
     store = SessionStore(tmp_path)
     files = Fetching(store, here)
     executor = SlotExecutor(None, store, None, files)
-    executor.facts.swap_facts(0, SlotState(), session, "", {}, False, True, None)
+    executor.facts.swap_facts(0, SlotState(), session, "", {}, False, True, None, lambda stems: None)
     return files.asked
 
 

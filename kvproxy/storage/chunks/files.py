@@ -140,10 +140,12 @@ class ChunkedFiles(FolderFiles):
             with self.store.stem_lock(stem):
                 written += manifest.write(self.store.chunked_path(stem), stored, cut.tail_parts(
                     buf, layout, len(keys) * self.chunk_tokens))
+                # Named before the whole file goes, in one hold of the lock: no reader sees the
+                # sidecar name a file that is gone (a crash between: the sweep names it again).
+                self.store.update_sidecar(stem, {}, stored_as="chunks", chunks=len(keys),
+                                          written_bytes=written)
                 unlink_with_companions(path)
         metrics.observe_chunked_save(written, layout.size)
-        self.store.update_sidecar(stem, {}, stored_as="chunks", chunks=len(keys),
-                                  written_bytes=written)
         if self.shared is not None:
             self.shared.saved(self, stem)
         return written
