@@ -327,7 +327,9 @@ def _mb(n: float | None) -> str:
 def report(run: dict) -> str:
     lines = [START, "## Sessions as chunks against whole files (`make bench-chunks`)", "",
              f"Run {run['started']} on {run['machine'].get('cpu', '?')}"
-             + (f" (the six conversations {run['six_started']})" if run.get("six_started") else "")
+             + "".join(f" ({what} {run[key]})" for key, what in (
+                 ("six_started", "the six conversations"), ("gap_started", "the gap case"))
+                 if run.get(key))
              + "; bundled model (SmolLM2-135M), llama-server's own files, one kvproxy under "
              "gunicorn, each case on a fresh llama-server and slot folder; save behind after "
              f"{SETTLE_DELAY} s. Load average at the end: {run.get('load', '?')}.", ""]
