@@ -179,3 +179,19 @@ def test_the_folder_sweep_alone_makes_a_link_a_whole_file(tmp_path):
     store.bin_path("a").symlink_to(elsewhere)
     sweep.sweep(store)
     assert not store.bin_path("a").is_symlink()
+
+
+def test_a_file_kept_whole_that_cannot_be_copied_stays_a_link_to_its_file(tmp_path, monkeypatch):
+    files = hot_files(tmp_path)
+    data = slot_file(PROMPT[:C - 1])
+
+    def no_room(link):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr("kvproxy.storage.chunks.files.materialize", no_room)
+    assert save(files, "short", data) is not None
+    assert files.store.bin_path("short").is_symlink()
+    assert files.store.bin_path("short").read_bytes() == data, "its file in memory is kept"
+    monkeypatch.undo()
+    files.sweep()
+    assert not files.store.bin_path("short").is_symlink()
+    assert files.store.bin_path("short").read_bytes() == data

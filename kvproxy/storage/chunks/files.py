@@ -99,10 +99,20 @@ class ChunkedFiles(FolderFiles):
                     log.warning("kept %s.bin whole: storing it as chunks failed: %s", stem, exc)
         finally:
             if incoming is not None:   # a file kept whole stays in the slot folder, not in memory
-                with self.store.stem_lock(stem):
-                    materialize(self.store.bin_path(stem))
-                incoming.unlink(missing_ok=True)
+                self._keep_in_folder(stem, incoming)
         return sidecar
+
+    def _keep_in_folder(self, stem: str, incoming: Path) -> None:
+        """Replace ``<stem>.bin``'s link to ``incoming`` by a copy, then delete ``incoming``;
+        when the copy fails the link and its file stay (the start-up sweep tries again)."""
+        try:
+            with self.store.stem_lock(stem):
+                materialize(self.store.bin_path(stem))
+        except (OSError, StorageError) as exc:
+            log.warning("%s.bin stays a link to memory: copying it into the slot folder failed: "
+                        "%s", stem, exc)
+            return
+        incoming.unlink(missing_ok=True)
 
     def pack(self, stem: str, made_by: dict) -> int | None:
         """Store ``<stem>.bin`` as chunks and a manifest, then delete it; the bytes written,
