@@ -169,9 +169,9 @@ class SlotExecutor:
             self.store.update_sidecar(action.stem, {}, count="restores",
                                       of_save=action.saved_at, **action.note)
         elif isinstance(action, answer.CountHit):
-            self.store.update_sidecar(action.stem,
-                                      {"session_id": action.session_id, "kind": "session"},
-                                      count=action.counts, **action.fields)
+            self.store.note_use(action.stem,
+                                {"session_id": action.session_id, "kind": "session"},
+                                count=action.counts, **action.fields)
         else:
             raise TypeError(f"not an action the executor knows: {action!r}")
 

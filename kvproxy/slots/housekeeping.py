@@ -104,6 +104,7 @@ class SlotHousekeeping:
         deadline = time.monotonic() + timeout
         saved = [self._checkpoint_slot(slot, max(0.0, deadline - time.monotonic()), unsaved_only)
                  for slot in self.switch.slot_ids()]
+        self.switch.store.notes.flush()   # what answers taught the sidecars, held until now
         return any(saved)
 
     def _checkpoint_slot(self, slot: int, timeout: float, unsaved_only: bool = False) -> bool:

@@ -83,7 +83,7 @@ class ModelSwitches:
             switch = self._switches.get(model)
             if switch is None:
                 client = self.client.for_model(model)
-                store = SessionStore(self.default.store.root, model=model_tag(model))
+                store = self.default.store.for_model(model_tag(model))
                 switch = self._switches[model] = self._make_switch(client, store)
                 self._share(switch)
             return switch

@@ -137,5 +137,6 @@ def rename_in(store: SessionStore, stem: str, tmp: Path, tmp_sidecar: Path,
         discard(tmp_sidecar)
         discard(store.bin_path(stem))
         discard(store.sidecar_path(stem))
+        store.notes.drop(stem)        # what answers taught it goes with it
         raise SaveFailed(f"cannot rename the sidecar of {stem}.bin: {exc.strerror or exc}; "
                            f"the file and its sidecar are removed") from exc

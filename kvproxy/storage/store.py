@@ -7,7 +7,9 @@ llama-server may write companion files beside a slot file, ``<stem>.bin.<suffix>
 to the slot file, are counted in its size on disk, and are moved, quarantined,
 evicted and deleted with it (``companions``). A save's renames and each sidecar
 update of one stem hold that stem's lock (``stem_lock``), so no reader sees, and no
-update writes back, a file and a sidecar of two different saves.
+update writes back, a file and a sidecar of two different saves. What answers teach a
+sidecar (hits, last use, trail) is held in memory and written at most once a second per
+session (``notes.HeldNotes``); this process's readers see it merged.
 A small state file holds a table with one entry per slot: which session the
 slot holds, how many tokens, when it was last used. A restarted proxy, or a
 second worker, reads it to know what to save before the next swap. Each entry
@@ -37,6 +39,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import filelock
+
+from kvproxy.storage.notes import HeldNotes
 
 from kvproxy.sessions.identity import model_tag
 from kvproxy.storage.chunks import manifest
@@ -276,7 +280,7 @@ class SessionStore:
     """The slot folder: sidecars, slot files and the proxy's state file."""
 
     def __init__(self, slot_dir: str | os.PathLike, legacy_slot: int = 0,
-                 model: str | None = None):
+                 model: str | None = None, notes: HeldNotes | None = None):
         self.root = Path(slot_dir)
         self.root.mkdir(parents=True, exist_ok=True)
         # The slot a format-1 state file described, and the one read_state() means by default.
@@ -293,6 +297,13 @@ class SessionStore:
         self._stem_locks = [(threading.RLock(), filelock.FileLock(
             str(self.root / f".kvproxy-files-{n}.lock"), thread_local=False))
             for n in range(STEM_LOCKS)]
+        # Notes of answers not yet in their sidecars: one per folder, shared by every
+        # model's store (``for_model``).
+        self.notes = notes if notes is not None else HeldNotes(self.write_held)
+
+    def for_model(self, model: str | None) -> "SessionStore":
+        """The store of ``model``'s files in this folder, sharing this store's held notes."""
+        return SessionStore(self.root, model=model, notes=self.notes)
 
     def _scoped(self, name: str) -> str:
         if not self.model:
@@ -389,7 +400,35 @@ class SessionStore:
 
     # -- sidecars ----------------------------------------------------------
     def read_sidecar(self, stem: str) -> dict | None:
+        """The sidecar as this process knows it: the file with the notes held for it."""
+        return self._with_held(stem, self._sidecar_on_disk(stem))
+
+    def _sidecar_on_disk(self, stem: str) -> dict | None:
         return migrate_sidecar(read_json(self.sidecar_path(stem)))
+
+    def _with_held(self, stem: str, sidecar: dict | None) -> dict | None:
+        note = self.notes.peek(stem)
+        if note is None:
+            return sidecar
+        return note.applied(sidecar if sidecar is not None else self._new_sidecar(stem, note.defaults))
+
+    def _new_sidecar(self, stem: str, defaults: dict) -> dict:
+        return {"format": SIDECAR_FORMAT, "stem": stem, "created_at": now_iso(), "hits": 0,
+                **defaults}
+
+    def note_use(self, stem: str, defaults: dict, count: tuple[str, ...] = (),
+                 **fields: Any) -> None:
+        """What an answer teaches the sidecar (``count`` adds one to each counter named,
+        ``fields`` are set; ``defaults`` start a sidecar that does not exist): held, and
+        written now only when the stem's notes were not written in the last second
+        (``notes.HeldNotes``)."""
+        if self.notes.hold(stem, defaults, count, fields):
+            self.write_held(stem)
+
+    def write_held(self, stem: str) -> None:
+        """Write the notes held for ``stem`` into its sidecar (nothing when none are)."""
+        if self.notes.peek(stem) is not None:
+            self.update_sidecar(stem, {})
 
     def tell_sidecar_writes(self, reader: Callable[[str, tuple[int, int], dict], None]) -> None:
         """Hand ``reader`` each sidecar ``update_sidecar`` writes: its file name, (modification
@@ -407,22 +446,34 @@ class SessionStore:
         the sidecar describes another save by then, nothing is written (None): a refusal of
         the old file must not stick to the new one."""
         path = self.sidecar_path(stem)
+        counts = (count,) if isinstance(count, str) else count
         with self.stem_lock(stem):
-            sidecar = self.merged_sidecar(stem, defaults)
-            if of_save is not None and sidecar.get("saved_at") != of_save:
-                return None
-            sidecar.update(changes)
-            for name in (count,) if isinstance(count, str) else count:
-                sidecar[name] = int(sidecar.get(name) or 0) + 1
-            written = _write_or_storage_error(path, sidecar)
+            held = self.notes.take(stem)   # written with these changes, or held again
+            try:
+                sidecar = self.merged_sidecar(stem, {**(held.defaults if held else {}),
+                                                     **defaults})
+                if of_save is not None and sidecar.get("saved_at") != of_save:
+                    if held is not None:
+                        self.notes.put_back(stem, held)
+                    return None
+                if held is not None:
+                    held.applied(sidecar)
+                sidecar.update(changes)
+                for name in counts:
+                    sidecar[name] = int(sidecar.get(name) or 0) + 1
+                written = _write_or_storage_error(path, sidecar)
+            except BaseException:
+                if held is not None:
+                    self.notes.put_back(stem, held)
+                raise
         for reader in self._sidecar_readers:
             reader(path.name, written, sidecar)
         return sidecar
 
     def merged_sidecar(self, stem: str, defaults: dict, **changes: Any) -> dict:
-        """The sidecar with ``changes``, not written (a save writes it with its file)."""
-        sidecar = self.read_sidecar(stem) or {"format": SIDECAR_FORMAT, "stem": stem,
-                                              "created_at": now_iso(), "hits": 0, **defaults}
+        """The sidecar file with ``changes``, not written (a save writes it with its file).
+        Without the held notes: they are written on their own, added to what is there then."""
+        sidecar = self._sidecar_on_disk(stem) or self._new_sidecar(stem, defaults)
         sidecar.update(changes)
         return sidecar
 
@@ -431,7 +482,7 @@ class SessionStore:
         (companions included)."""
         found = []
         for path in sorted(self.root.glob("*.json")):
-            sidecar = migrate_sidecar(read_json(path))
+            sidecar = self._with_held(path.stem, migrate_sidecar(read_json(path)))
             if sidecar:
                 sidecar["file_bytes"] = self.disk_bytes(path.stem)
                 found.append(sidecar)
@@ -458,6 +509,7 @@ class SessionStore:
     def delete(self, stem: str) -> bool:
         """Remove a slot file, its companions and its sidecar (in that order: a crash leaves
         what the start-up sweep deletes); False when none existed."""
+        self.notes.drop(stem)
         removed = unlink_with_companions(self.bin_path(stem))
         try:
             self.chunked_path(stem).unlink()

@@ -622,7 +622,7 @@ def test_an_answered_request_stamps_its_session_s_last_use(mock, tmp_path):
     """The sidecar's last use orders files for eviction from the disk: a hit counts too."""
     fake = fake_with(mock, tmp_path, 1)
     switch = switch_over(tmp_path)
-    store = SessionStore(tmp_path)
+    store = switch.store
     answer(switch, A, fake)
     first = store.read_sidecar(A.stem)["last_used_at"]
     time.sleep(0.01)

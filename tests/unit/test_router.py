@@ -7,6 +7,7 @@ import responses
 
 from kvproxy.errors import ClientError
 from kvproxy.slots.models import ModelSwitches, is_loaded, pick_model
+from kvproxy.storage.store import SessionStore
 from kvproxy.upstream.llama import LlamaClient
 
 ENTRIES = [{"id": "SmolLM2-135M-Instruct.Q4_1", "aliases": ["smol"],
@@ -62,7 +63,7 @@ class FakeSwitch:
 
 
 def test_before_a_model_is_loaded_the_other_models_unsaved_turns_are_saved(tmp_path):
-    default = FakeSwitch(type("S", (), {"root": tmp_path})())
+    default = FakeSwitch(SessionStore(tmp_path))
     made = {}
 
     def make(client, store):

@@ -38,7 +38,7 @@ def test_switch_saves_old_and_restores_new(tmp_path, fake):
     lease = turn(switch, A, fake)
     assert lease.cache == RESTORED and lease.restored_tokens == 12
     assert fake.actions[3:] == [("save", f"{B.stem}.saving.bin"), ("restore", f"{A.stem}.bin")]
-    sidecar = SessionStore(tmp_path).read_sidecar(A.stem)
+    sidecar = switch.store.read_sidecar(A.stem)
     assert sidecar["session_id"] == "A" and sidecar["n_tokens"] == 12
     assert sidecar["made_by"]["model_path"] == "/models/tiny.gguf" and sidecar["hits"] == 2
 

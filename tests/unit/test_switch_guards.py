@@ -101,7 +101,7 @@ def test_when_slots_cannot_tell_after_a_cut_the_slot_keeps_its_record(tmp_path, 
         patch.setattr(switch.client, "slots", unreachable if slots == "unreachable" else list)
         switch.release(lease)
     answer(switch, B, fake, 50)
-    sidecar = SessionStore(tmp_path).read_sidecar(A.stem) or {}
+    sidecar = switch.store.read_sidecar(A.stem) or {}
     assert (sidecar.get("n_tokens"), sidecar.get("hits")) == (100, 2)
 
 

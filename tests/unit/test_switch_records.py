@@ -36,7 +36,7 @@ def messages(caplog) -> list[str]:
 # -- save and restore ------------------------------------------------------------
 def test_save_and_restore_are_recorded_in_the_sidecar_and_metrics(tmp_path, fake):
     switch = make_switch(tmp_path)
-    store = SessionStore(tmp_path)
+    store = switch.store             # with the notes of answers held in this process
     before = {kind: (metric("kvproxy_swap_bytes_total", kind=kind),
                      metric("kvproxy_swap_seconds_count", kind=kind),
                      metric("kvproxy_swap_seconds_sum", kind=kind)) for kind in ("save", "restore")}
@@ -64,7 +64,7 @@ def test_without_llama_server_timings_the_measured_time_is_recorded(tmp_path, fa
     answer(switch, A, fake)
     answer(switch, B, fake)
     answer(switch, A, fake)
-    sidecar = SessionStore(tmp_path).read_sidecar(A.stem)
+    sidecar = switch.store.read_sidecar(A.stem)
     assert 0 < sidecar["save_ms"] < 5000 and 0 < sidecar["restore_ms"] < 5000
 
 
@@ -342,7 +342,7 @@ def test_restored_hit_then_swap_keeps_counting_hits(tmp_path, fake):
     answer(switch, A, fake)
     answer(switch, B, fake)
     assert answer(switch, A, fake, 120, cache_n=100).cache == RESTORED
-    sidecar = SessionStore(tmp_path).read_sidecar(A.stem)
+    sidecar = switch.store.read_sidecar(A.stem)
     assert (sidecar["hits"], sidecar["last_cache"], sidecar["last_cache_n"],
             sidecar["last_prompt_n"]) == (2, "restored", 100, 19)
 

@@ -1,0 +1,60 @@
+"""No-swap overhead against a bare Flask relay, same run: ``python -m bench.overhead``
+(``make bench-overhead``).
+
+One llama-server (the bundled model, one slot), kvproxy and ``bench.passthrough`` (a Flask
+relay that only forwards the body) each under the repository's gunicorn settings. The same
+tiny request goes straight to llama-server, through kvproxy and through the relay, in a
+shuffled order each round (``micro.overhead``); what each proxy adds is its median minus the
+direct median, and the ratio of the two is kvproxy's cost against the floor of any Flask +
+gunicorn + requests proxy on this machine.
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from kvproxy.launch.processes import LlamaServer
+
+from . import micro
+from .procs import Proxy
+
+
+def measure(rounds: int, work: Path, log=print) -> dict:
+    """``micro.overhead``'s figures for kvproxy and the bare relay against one llama-server."""
+    llama = LlamaServer(str(work), slots=1, ctx_size=2048, cache_ram_mib=0,
+                        log_path=str(work / "llama.log"))
+    proxy = bare = None
+    try:
+        llama.start()
+        proxy = Proxy(llama.url, str(work), str(work / "kvproxy.log"),
+                      env={"KVPROXY_LOG_LEVEL": "WARNING"}).start()
+        bare = Proxy(llama.url, str(work), str(work / "bare.log"),
+                     wsgi_app="bench.passthrough:app").start(timeout=60)
+        return micro.overhead(proxy.url, llama.url, rounds, log, bare.url)
+    finally:
+        for process in (bare, proxy, llama):
+            if process is not None:
+                process.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=300,
+                        help="rounds of one request each way (default 300)")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="kvproxy-overhead-") as work:
+        print(f"llama-server, kvproxy and a bare Flask relay; {args.rounds} shuffled rounds of "
+              "one tiny no-swap request each way ...", flush=True)
+        figures = measure(args.rounds, Path(work))
+    added, floor = figures["added_median_ms"], figures["bare"]["added_median_ms"]
+    if figures["requests_not_hit"]:
+        print(f"  warning: {figures['requests_not_hit']} request(s) through kvproxy were not hits")
+    print(f"  direct: median {figures['direct_median_ms']:.2f} ms")
+    print(f"  kvproxy adds {added:+.2f} ms (median), the bare relay {floor:+.2f} ms: "
+          f"{added / floor:.2f}x the relay's cost" if floor > 0 else "  the relay added nothing")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,160 @@
+"""What answers teach a sidecar is held and written at most once a second per session
+(storage/notes.py): readers in the process see it at once, the file within a second, and no
+count is lost or counted twice."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from kvproxy.storage import store as store_module
+from kvproxy.storage.notes import HeldNotes
+from kvproxy.storage.store import SessionStore, StorageError, read_json, write_json_atomic
+
+DEFAULTS = {"session_id": "s", "kind": "session"}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+def store(tmp_path, clock):
+    store = SessionStore(tmp_path)
+    # A writer thread that never comes due: these tests write by the clock alone.
+    store.notes = HeldNotes(store.write_held, every=1.0, clock=clock)
+    store.notes._start_writer = lambda: None
+    return store
+
+
+def on_disk(store: SessionStore, stem: str) -> dict:
+    return read_json(store.sidecar_path(stem)) or {}
+
+
+def hit(store: SessionStore, stem: str = "s", n: int = 1, **fields) -> None:
+    for _ in range(n):
+        store.note_use(stem, DEFAULTS, count=("hits",), **fields)
+
+
+def test_the_first_note_is_written_at_once_and_the_next_within_the_second_held(store, clock):
+    hit(store, last_cache="hit")
+    assert on_disk(store, "s")["hits"] == 1
+    clock.now += 0.5
+    hit(store, n=2, last_cache="restored")
+    assert on_disk(store, "s")["hits"] == 1                  # held ...
+    assert store.read_sidecar("s")["hits"] == 3              # ... and seen by this process
+    assert store.read_sidecar("s")["last_cache"] == "restored"
+    assert [s["hits"] for s in store.sidecars()] == [3]
+
+
+def test_a_note_after_the_second_writes_everything_held(store, clock):
+    hit(store)
+    clock.now += 0.5
+    hit(store, last_cache="a")
+    clock.now += 0.6   # 1.1 s after the write
+    hit(store, last_cache="b")
+    assert on_disk(store, "s")["hits"] == 3
+    assert on_disk(store, "s")["last_cache"] == "b"
+    assert store.notes.peek("s") is None
+
+
+def test_another_write_of_the_sidecar_takes_the_held_notes_along(store, clock):
+    hit(store)
+    hit(store, n=2)
+    store.update_sidecar("s", {}, count="restores", refused=None)
+    assert on_disk(store, "s")["hits"] == 3
+    assert on_disk(store, "s")["restores"] == 1
+    assert store.notes.peek("s") is None
+
+
+def test_a_save_writes_its_sidecar_without_the_held_notes_which_count_once(store, clock):
+    """A save builds its sidecar from the file (merged_sidecar) and writes it itself; the
+    held notes are added afterwards, so the hits are neither lost nor counted twice."""
+    hit(store)
+    hit(store, n=4)
+    saved = store.merged_sidecar("s", {}, saved_at="t1", n_tokens=10)
+    assert saved["hits"] == 1
+    write_json_atomic(store.sidecar_path("s"), saved)
+    store.notes.flush()
+    assert on_disk(store, "s")["hits"] == 5
+    assert on_disk(store, "s")["saved_at"] == "t1"
+
+
+def test_a_failed_write_holds_the_notes_again(store, clock, monkeypatch):
+    hit(store)
+    hit(store, n=2)
+    clock.now += 2
+
+    def refuse(path, data):
+        raise StorageError("disk full")
+    monkeypatch.setattr(store_module, "_write_or_storage_error", refuse)
+    with pytest.raises(StorageError):
+        hit(store)
+    assert store.read_sidecar("s")["hits"] == 4
+    monkeypatch.undo()
+    clock.now += 2
+    hit(store)
+    assert on_disk(store, "s")["hits"] == 5
+
+
+def test_a_refused_save_change_keeps_the_notes_held(store, clock):
+    store.update_sidecar("s", DEFAULTS, saved_at="new")
+    clock.now += 2
+    hit(store)
+    hit(store, n=2)
+    assert store.update_sidecar("s", {}, of_save="old", refused="x") is None
+    assert store.read_sidecar("s")["hits"] == 3
+    store.notes.flush()
+    assert on_disk(store, "s")["hits"] == 3
+
+
+def test_deleting_a_session_forgets_its_held_notes(store, clock):
+    hit(store)
+    hit(store, n=2)
+    store.delete("s")
+    store.notes.flush()
+    assert not store.sidecar_path("s").exists()
+    assert store.read_sidecar("s") is None
+
+
+def test_every_model_of_the_folder_shares_the_held_notes(store, clock):
+    other = store.for_model("m2")
+    assert other.notes is store.notes
+    hit(other, "s@m2")
+    hit(other, "s@m2", n=2)
+    assert store.read_sidecar("s@m2")["hits"] == 3
+
+
+def test_the_writer_thread_writes_held_notes_a_second_after_the_last_write(tmp_path):
+    store = SessionStore(tmp_path)
+    store.notes = HeldNotes(store.write_held, every=0.05)
+    hit(store)
+    hit(store, n=2)
+    assert on_disk(store, "s")["hits"] == 1
+    deadline = time.monotonic() + 10
+    while on_disk(store, "s").get("hits") != 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert on_disk(store, "s")["hits"] == 3
+    assert store.notes.peek("s") is None
+
+
+def test_notes_from_many_threads_are_all_counted(tmp_path):
+    store = SessionStore(tmp_path)
+    store.notes = HeldNotes(store.write_held, every=0.01)
+    threads = [threading.Thread(target=hit, args=(store, f"s{n % 3}", 50)) for n in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    store.notes.flush()
+    assert sorted(on_disk(store, f"s{n}")["hits"] for n in range(3)) == [100, 100, 100]
