@@ -34,12 +34,16 @@ class SaveBehind:
     def arm(self, slot: int) -> None:
         """Save ``slot`` once it has been idle ``delay`` seconds from now."""
         with self._cond:
+            armed = slot in self._due
             self._due[slot] = time.monotonic() + self.delay
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="kvproxy-save-behind",
                                                 daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            if not armed:
+                # Armed again, the slot is due later than the thread's wake-up, which then
+                # waits on: waking it now would cost this request a thread switch.
+                self._cond.notify()
 
     def pending(self) -> set[int]:
         with self._cond:

@@ -73,14 +73,16 @@ class HeldNotes:
         (``write_held``): the stem's notes were not written in the last ``every`` seconds."""
         with self._changed:
             note = self._held.get(stem)
-            if note is None:
+            first = note is None
+            if first:
                 note = self._held[stem] = Note(dict(defaults))
             note.add(counts, fields)
             last = self._written.get(stem)
             if last is None or self._clock() - last >= self.every:
                 return True
-            self._start_writer()
-            self._changed.notify()
+            if first:   # the writer's next wake-up may be later (or never): tell it; waking
+                self._start_writer()    # it costs this request a thread switch, so only then
+                self._changed.notify()
             return False
 
     def take(self, stem: str) -> Note | None:
