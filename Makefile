@@ -105,9 +105,10 @@ nginx:
 	@$(call debian_package,nginx,deployment tests)
 
 # Unit tests only: llama-server stubbed, no model; the shared store's tests start `weed mini`;
-# a few minutes.
+# spread over TEST_JOBS processes (pytest-xdist; default: one per core), a few minutes.
+TEST_JOBS ?= $(BUILD_JOBS)
 test-unit: $(VENV)/.requirements seaweedfs
-	$(BIN)/python -m pytest -q -m "not real and not deploy"
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) -m "not real and not deploy"
 
 # Mutation testing (mutmut, settings in setup.cfg) of the modules named in MODULES against the
 # fast stubbed suite: paths or module names (MODULES="kvproxy/storage/store.py relay"); MODULES=all
