@@ -14,7 +14,7 @@ BUILD_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 CLAUDE_CODE_VERSION := 2.1.332
 NPM_DIR := var/npm
 
-.PHONY: setup swa-model seaweedfs run test test-unit test-deploy nginx mutate bench bench-concurrency bench-swap bench-slot-overhead bench-idle-residents bench-kill bench-models bench-chunks bench-store soak clean claude-cli dist
+.PHONY: setup swa-model seaweedfs run test test-unit test-deploy nginx mutate bench bench-overhead bench-concurrency bench-swap bench-slot-overhead bench-idle-residents bench-kill bench-models bench-chunks bench-store soak clean claude-cli dist
 setup: $(VENV)/.requirements $(VENV)/.llama-server $(VENV)/.model
 
 $(VENV)/bin/python:
@@ -144,6 +144,11 @@ bench-concurrency: setup
 # Only the swap cost: save behind on and off, one slot, two long conversations (a few minutes).
 bench-swap: setup
 	$(BIN)/python -m bench.run --scenario swap $(BENCH_ARGS)
+
+# The no-swap overhead: kvproxy against a bare Flask relay under the same gunicorn, same
+# llama-server, shuffled rounds (BENCH_ARGS="--rounds N", default 1000; about a minute).
+bench-overhead: setup
+	$(BIN)/python -m bench.overhead $(BENCH_ARGS)
 
 # kvproxy driving one slot against all of them, on two llama-servers of the same layout: the
 # no-swap request path alone (about 2 minutes).

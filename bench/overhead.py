@@ -40,8 +40,9 @@ def measure(rounds: int, work: Path, log=print) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=300,
-                        help="rounds of one request each way (default 300)")
+    parser.add_argument("--rounds", type=int, default=1000,
+                        help="rounds of one request each way (default 1000: medians of 300 "
+                             "still moved by a few tenths of a millisecond from run to run)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvproxy-overhead-") as work:
         print(f"llama-server, kvproxy and a bare Flask relay; {args.rounds} shuffled rounds of "
