@@ -136,16 +136,32 @@ def emptied(state: SlotState, unproven: bool) -> SlotState:
 
 
 class SlotTable:
-    """The state file's table, typed: ``{slot id: SlotState}``."""
+    """The state file's table, typed: ``{slot id: SlotState}``.
+
+    A request reads its slot's record twice; parsing the file again only when it changed
+    (``SessionStore.state_key``: every write renames a new file over it) saves a tenth of a
+    millisecond each time. The records are frozen, so the parsed table can be handed out."""
 
     def __init__(self, store: SessionStore):
         self.store = store
+        self._parsed: tuple[tuple, dict[int, SlotState]] | None = None
+
+    def _current(self) -> dict[int, SlotState]:
+        key = self.store.state_key()   # before the read: a write in between is read again
+        parsed = self._parsed
+        if key is not None and parsed is not None and parsed[0] == key:
+            return parsed[1]
+        table = {slot: SlotState.from_entry(entry)
+                 for slot, entry in self.store.read_table().items()}
+        self._parsed = (key, table) if key is not None else None
+        return table
 
     def read(self) -> dict[int, SlotState]:
-        return {slot: SlotState.from_entry(entry) for slot, entry in self.store.read_table().items()}
+        return dict(self._current())
 
     def get(self, slot: int) -> SlotState:
-        return SlotState.from_entry(self.store.read_table().get(slot))
+        found = self._current().get(slot)
+        return found if found is not None else SlotState.from_entry(None)
 
     def put(self, slot: int, state: SlotState) -> None:
         self.change(lambda table: table.__setitem__(slot, state))

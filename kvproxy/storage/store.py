@@ -524,6 +524,15 @@ class SessionStore:
         return removed
 
     # -- proxy state: one entry per slot ----------------------------------
+    def state_key(self) -> tuple | None:
+        """What tells one state file from the next: every write renames a new file (a new
+        inode, new times) over it. None when there is none."""
+        try:
+            st = os.stat(self.state_file)
+        except OSError:
+            return None
+        return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
     def read_table(self) -> dict[int, dict]:
         """Every slot's entry, by slot id (older state files migrated on the fly)."""
         table = migrate_state(read_json(self.state_file), self.legacy_slot)["slots"]

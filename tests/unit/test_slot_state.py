@@ -81,3 +81,25 @@ def test_a_switch_off_names_the_cause_and_the_fix_from_the_model_s_header():
     assert "hybrid or recurrent model (lfm2)" in hybrid and "cannot be restored" in hybrid
     assert cause_of({"general.architecture": "llama"}) == UNKNOWN_CAUSE
     assert cause_of({}) == UNKNOWN_CAUSE, "an unreadable model file names no fix"
+
+
+def test_the_table_is_parsed_again_only_when_the_file_changed(tmp_path, monkeypatch):
+    """Another process's write (another table on the folder) and this table's own are both
+    read; an unchanged file is not parsed again."""
+    store = SessionStore(tmp_path)
+    mine, other = SlotTable(store), SlotTable(SessionStore(tmp_path))
+    ours = SlotState(Phase.OURS, session_id="a", key="a", stem="a-1", persistent=True)
+    mine.put(0, ours)
+    assert mine.get(0) == ours
+    reads = []
+    parse = store.read_table
+    monkeypatch.setattr(store, "read_table", lambda: reads.append(1) or parse())
+    assert mine.get(0) == ours and mine.read() == {0: ours}
+    assert reads == []
+    theirs = ours.to(Phase.UNSAVED, tokens=7)
+    other.put(0, theirs)
+    assert mine.get(0) == theirs and reads == [1]
+    mine.put(1, ours)
+    assert mine.read() == {0: theirs, 1: ours}
+    store.state_file.unlink()
+    assert mine.get(0) == SlotState() and mine.read() == {}
