@@ -21,7 +21,8 @@ import filelock
 
 from kvproxy.telemetry import metrics
 from kvproxy.storage.checked_save import SaveFailed
-from kvproxy.storage.store import (CHUNKED_SUFFIX, QUARANTINE_DIR, SessionStore, bytes_with_companions, now_iso,
+from kvproxy.storage.store import (CHUNKED_SUFFIX, QUARANTINE_DIR, SessionStore, bytes_with_companions,
+                                   companion_index, now_iso,
                                    unlink_with_companions)
 from kvproxy.storage.sweep import is_leftover, orphan_companions
 
@@ -230,6 +231,8 @@ class DiskBudget:
             total, own = self.shared.usage()
         orphans = orphan_companions(self.store.root)
         quarantined = self.store.root / QUARANTINE_DIR
+        indexes = {self.store.root: companion_index(self.store.root),
+                   quarantined: companion_index(quarantined)}
         if quarantined.is_dir():
             paths += [p for p in quarantined.iterdir() if p.name.endswith(SAVED_SUFFIXES)]
             orphans += orphan_companions(quarantined)
@@ -246,7 +249,8 @@ class DiskBudget:
                 stat = path.stat()
             except OSError:
                 continue
-            size = bytes_with_companions(path)   # the file and what llama-server wrote beside it
+            # the file and what llama-server wrote beside it
+            size = bytes_with_companions(path, indexes.get(path.parent))
             total += size
             if path.parent == self.store.root and is_leftover(path.name):
                 continue   # a save being written (or one a crash left: the start-up sweep's)

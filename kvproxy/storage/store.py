@@ -31,6 +31,7 @@ import contextlib
 import glob
 import json
 import os
+import stat
 import tempfile
 import threading
 import zlib
@@ -94,14 +95,36 @@ def slot_file_of(name: str) -> str | None:
     return name[:cut + len(SLOT_SUFFIX)] if cut > 0 else None
 
 
-def bytes_with_companions(path: Path) -> int:
-    """A slot file's bytes on disk with its companions' (0 for what is gone)."""
+def companion_index(folder: Path) -> dict[str, list[str]]:
+    """The names of every companion in ``folder``, by the slot file they belong to: one
+    listing for callers that look at every file (``companions`` lists the folder each time,
+    which over a thousand sessions took seconds)."""
+    index: dict[str, list[str]] = {}
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return index
+    for name in names:
+        owner = slot_file_of(name)
+        if owner is not None and name != owner:
+            index.setdefault(owner, []).append(name)
+    return index
+
+
+def bytes_with_companions(path: Path, index: dict[str, list[str]] | None = None) -> int:
+    """A slot file's bytes on disk with its companions' (0 for what is gone); ``index``: the
+    folder's ``companion_index``, when the caller made one."""
+    path = Path(path)
+    found = companions(path) if index is None else \
+        [path.parent / name for name in index.get(path.name, ())]
     total = 0
-    for part in (Path(path), *companions(path)):
+    for part in (path, *found):
         try:
-            total += part.stat().st_size
+            st = part.stat()
         except OSError:
             continue
+        if stat.S_ISREG(st.st_mode):
+            total += st.st_size
     return total
 
 
@@ -368,10 +391,11 @@ class SessionStore:
         return f"{stem}{CHUNKED_SUFFIX}" if (sidecar or {}).get("stored_as") == "chunks" \
             else f"{stem}.bin"
 
-    def disk_bytes(self, stem: str) -> int:
+    def disk_bytes(self, stem: str, index: dict[str, list[str]] | None = None) -> int:
         """What the session's own files take on disk: the slot file and its companions, or
-        its manifest and tail (chunks, shared, are counted apart)."""
-        own = bytes_with_companions(self.bin_path(stem))
+        its manifest and tail (chunks, shared, are counted apart). ``index``: the folder's
+        ``companion_index``, when the caller made one."""
+        own = bytes_with_companions(self.bin_path(stem), index)
         try:
             return own + self.chunked_path(stem).stat().st_size
         except OSError:
@@ -481,10 +505,11 @@ class SessionStore:
         """Every sidecar in the folder, with the real size of its slot file on disk
         (companions included)."""
         found = []
+        index = companion_index(self.root)
         for path in sorted(self.root.glob("*.json")):
             sidecar = self._with_held(path.stem, migrate_sidecar(read_json(path)))
             if sidecar:
-                sidecar["file_bytes"] = self.disk_bytes(path.stem)
+                sidecar["file_bytes"] = self.disk_bytes(path.stem, index)
                 found.append(sidecar)
         return found
 

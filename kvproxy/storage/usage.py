@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvproxy.storage.chunks import manifest
-from kvproxy.storage.store import CHUNK_DIR, CHUNKED_SUFFIX, PROBE_PREFIX, bytes_with_companions
+from kvproxy.storage.store import (CHUNK_DIR, CHUNKED_SUFFIX, PROBE_PREFIX, bytes_with_companions,
+                                   companion_index)
 
 
 @dataclass(frozen=True)
@@ -45,10 +46,11 @@ def folder_usage(root: str | Path) -> FolderUsage:
         entries = list(os.scandir(root))
     except OSError:
         return FolderUsage()
+    index = companion_index(root)
     for entry in entries:
         name = entry.name
         if name.endswith(".bin") and not name.startswith(PROBE_PREFIX):
-            size = bytes_with_companions(Path(entry.path))   # llama-server's <file>.ckpt too
+            size = bytes_with_companions(Path(entry.path), index)   # <file>.ckpt too
             if size:
                 stored, logical, files = stored + size, logical + size, files + 1
         elif name.endswith(CHUNKED_SUFFIX) and not name.startswith("."):

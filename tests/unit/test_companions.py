@@ -10,7 +10,7 @@ from kvproxy.ops.metrics import slot_folder_usage
 from kvproxy.sessions.identity import Session, file_stem
 from kvproxy.slots.switch import RESTORED
 from kvproxy.storage import checked_save, quarantine, sweep, model_names
-from kvproxy.storage.store import SessionStore
+from kvproxy.storage.store import SessionStore, bytes_with_companions, companion_index
 from tests.fake_llama import MODEL, make_switch, stem_of
 
 A = Session("A", "test", system_hash="aaaa", model=MODEL)
@@ -224,3 +224,20 @@ def test_a_rename_interrupted_before_the_companion_moved_is_finished(tmp_path, c
     assert (tmp_path / f"{new}.bin{CKPT}").read_bytes() == b"ckpt"
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == \
         [f"{new}.bin", f"{new}.bin{CKPT}", f"{new}.json"]
+
+
+def test_one_listing_of_the_folder_counts_every_file_s_companions_as_each_alone(tmp_path):
+    """``companion_index`` lists the folder once for callers that size every file (the status
+    page, eviction): each file's bytes are what ``companions`` finds for it alone."""
+    (tmp_path / "a.bin").write_bytes(b"a" * 10)
+    (tmp_path / "a.bin.ckpt").write_bytes(b"c" * 5)
+    (tmp_path / "a.bin.other").write_bytes(b"o" * 3)
+    (tmp_path / "b.bin").write_bytes(b"b" * 7)
+    (tmp_path / "gone.bin.ckpt").write_bytes(b"g" * 2)   # a companion without its file
+    (tmp_path / "c.bin.d").mkdir()                        # not a file: not counted
+    (tmp_path / "a.json").write_text("{}")
+    index = companion_index(tmp_path)
+    assert sorted(index["a.bin"]) == ["a.bin.ckpt", "a.bin.other"]
+    for name, size in (("a.bin", 18), ("b.bin", 7), ("gone.bin", 2), ("c.bin", 0)):
+        assert bytes_with_companions(tmp_path / name, index) == size
+        assert bytes_with_companions(tmp_path / name) == size
