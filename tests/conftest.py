@@ -105,7 +105,7 @@ def started_weed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("weed")
     server = WeedMini(tmp / "data", tmp / "weed.log").start()
     yield server
-    server.stop()
+    server.stop(timeout=2)   # a throwaway store: weed's own orderly stop takes about 12 s
 
 
 @pytest.fixture(scope="session")
