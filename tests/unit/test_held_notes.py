@@ -146,6 +146,7 @@ def test_the_writer_thread_writes_held_notes_a_second_after_the_last_write(tmp_p
         time.sleep(0.01)
     assert on_disk(store, "s")["hits"] == 3
     assert store.notes.peek("s") is None
+    assert any(t.name == "kvproxy-sidecar-notes" and t.daemon for t in threading.enumerate())
 
 
 def test_notes_from_many_threads_are_all_counted(tmp_path):
@@ -158,3 +159,75 @@ def test_notes_from_many_threads_are_all_counted(tmp_path):
         thread.join(30)
     store.notes.flush()
     assert sorted(on_disk(store, f"s{n}")["hits"] for n in range(3)) == [100, 100, 100]
+
+
+def test_a_note_exactly_a_second_after_the_write_is_due(store, clock):
+    hit(store)
+    clock.now += 1.0
+    hit(store)
+    assert on_disk(store, "s")["hits"] == 2
+
+
+def test_the_writer_knows_which_stems_are_due_and_how_long_to_wait(store, clock):
+    notes = store.notes
+    hit(store, "a")                    # written at 100.0
+    clock.now += 0.25
+    hit(store, "b")                    # written at 100.25
+    clock.now += 0.25
+    hit(store, "a")
+    hit(store, "b")                    # both held
+    assert notes._due() == ([], pytest.approx(0.5))
+    clock.now += 0.5
+    assert notes._due() == (["a"], pytest.approx(0.25))
+    store.write_held("a")
+    clock.now += 2
+    assert notes._due() == (["b"], None)
+    store.write_held("b")
+    clock.now += 2
+    assert notes._due() == ([], None)
+    assert notes._written == {}        # old write times are forgotten once nothing is held
+    hit(store, "a")
+    assert on_disk(store, "a")["hits"] == 3
+
+
+def test_notes_held_while_a_failed_write_was_made_add_to_the_ones_put_back(store, clock):
+    hit(store)
+    hit(store, n=2, last_cache="old")
+    taken = store.notes.take("s")          # a write begins ...
+    hit(store, n=3, last_cache="new")      # ... notes come meanwhile ...
+    store.notes.put_back("s", taken)       # ... and it fails
+    seen = store.read_sidecar("s")
+    assert (seen["hits"], seen["last_cache"]) == (6, "new")
+    seen["hits"] = 99                      # what a reader does with its copy stays its own
+    store.notes.peek("s").counts["hits"] = 99
+    assert store.read_sidecar("s")["hits"] == 6
+
+
+def test_a_deleted_session_starts_afresh_its_next_note_written_at_once(store, clock):
+    hit(store)
+    store.delete("s")
+    hit(store)
+    assert on_disk(store, "s")["hits"] == 1
+
+
+def test_a_recent_write_keeps_holding_back_the_next_note(store, clock):
+    hit(store)
+    clock.now += 0.5
+    store.notes._due()                 # the writer looking meanwhile forgets nothing recent
+    hit(store)
+    assert on_disk(store, "s")["hits"] == 1
+    store.delete("never-noted")        # nothing held for it: nothing to forget
+
+
+def test_a_first_note_whose_write_failed_is_seen_from_its_defaults(store, clock, monkeypatch):
+    def refuse(path, data):
+        raise StorageError("disk full")
+    monkeypatch.setattr(store_module, "_write_or_storage_error", refuse)
+    with pytest.raises(StorageError):
+        hit(store)
+    seen = store.read_sidecar("s")
+    assert (seen["session_id"], seen["kind"], seen["hits"]) == ("s", "session", 1)
+    taken = store.notes.take("s")
+    store.note_use("s", DEFAULTS, count=("hits", "restores"))   # a counter the first lacks
+    store.notes.put_back("s", taken)
+    assert (store.read_sidecar("s")["hits"], store.read_sidecar("s")["restores"]) == (2, 1)
