@@ -11,6 +11,7 @@ gunicorn + requests proxy on this machine.
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -54,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  direct: median {figures['direct_median_ms']:.2f} ms")
     print(f"  kvproxy adds {added:+.2f} ms (median), the bare relay {floor:+.2f} ms: "
           f"{added / floor:.2f}x the relay's cost" if floor > 0 else "  the relay added nothing")
+    beyond = statistics.median(p - b for p, b in zip(figures["proxy_ms"], figures["bare_ms"]))
+    print(f"  kvproxy's own cost beyond the relay, round by round: median {beyond:+.2f} ms")
     return 0
 
 
