@@ -155,3 +155,5 @@ class HeldNotes:
             self._write(stem)
         except Exception as exc:  # held again by the write; one bad sidecar stops no other
             log.warning("could not write the held notes of %s: %s", stem, exc)
+            with self._changed:   # tried again a second later, not at once in a loop
+                self._written[stem] = self._clock()

@@ -231,3 +231,21 @@ def test_a_first_note_whose_write_failed_is_seen_from_its_defaults(store, clock,
     store.note_use("s", DEFAULTS, count=("hits", "restores"))   # a counter the first lacks
     store.notes.put_back("s", taken)
     assert (store.read_sidecar("s")["hits"], store.read_sidecar("s")["restores"]) == (2, 1)
+
+
+def test_a_sidecar_that_cannot_be_written_is_tried_again_a_second_later_not_in_a_loop(
+        tmp_path, monkeypatch):
+    store = SessionStore(tmp_path)
+    store.notes = HeldNotes(store.write_held, every=0.1)
+    hit(store)
+    tries = []
+
+    def locked(stem):
+        tries.append(stem)
+        raise StorageError("cannot lock a slot file: read-only file system")
+    monkeypatch.setattr(store, "stem_lock", locked)
+    hit(store)                       # held: the writer thread tries it
+    time.sleep(0.55)
+    assert 2 <= len(tries) <= 8      # about every 0.1 s, not thousands of times
+    assert store.read_sidecar("s") is not None
+    assert store.notes.peek("s").counts == {"hits": 1}
