@@ -139,12 +139,8 @@ class SlotLock:
 
     def free_file_lock(self, idle: float = LINGER_S) -> bool:
         """Free the file lock if no thread of this process has used the slot for ``idle``
-        seconds; True when it is free (or was not held). Never waits: a request waiting
-        for another process's file lock holds the guard, and the other slots' lingering
-        locks must not wait for it."""
-        if not self._file_guard.acquire(blocking=False):
-            return False
-        try:
+        seconds; True when it is free (or was not held)."""
+        with self._file_guard:
             if not self._file_held:
                 return True
             if self.thread_lock.locked() or time.monotonic() - self.freed_at < idle:
@@ -152,8 +148,6 @@ class SlotLock:
             self._file_held = False
             self._file_lock.release()
             return True
-        finally:
-            self._file_guard.release()
 
 
 class _Releaser:

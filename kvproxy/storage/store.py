@@ -41,9 +41,10 @@ from typing import Any, Callable, Iterator
 
 import filelock
 
+from kvproxy.storage.notes import HeldNotes
+
 from kvproxy.sessions.identity import model_tag
 from kvproxy.storage.chunks import manifest
-from kvproxy.storage.notes import HeldNotes
 from kvproxy.upstream import slot_file
 
 from kvproxy.errors import StateFormatError, StorageError, map_exceptions  # noqa: F401 - both also imported from here

@@ -92,15 +92,3 @@ def test_a_failure_to_free_the_file_lock_does_not_stop_the_releaser(slot_lock, m
         time.sleep(0.05)
     assert slot_lock not in lock_module._releaser._lingering
     assert any("freeing the file lock" in r.getMessage() for r in caplog.records)
-
-
-def test_freeing_never_waits_for_a_request_that_waits_for_another_process(slot_lock):
-    """A request waiting for another process's file lock holds the guard; the releaser
-    passes this slot by (and frees the other slots' locks) instead of waiting behind it."""
-    slot_lock.acquire()
-    slot_lock.release()
-    with slot_lock._file_guard:
-        started = time.monotonic()
-        assert not slot_lock.free_file_lock(idle=0)
-        assert time.monotonic() - started < 1
-    assert slot_lock.free_file_lock(idle=0)
