@@ -7,16 +7,9 @@ waiting (``KVPROXY_MAX_WAITERS``), so a crowd of clients cannot take every
 server thread and /health, /metrics and the admin API keep answering.
 Any failure to take the file lock (read-only or full disk, a filesystem
 without locks) is a ``SlotUnavailable``, and leaves the thread lock free.
-
-Taking and freeing the file lock cost a no-swap request a fifth of a millisecond, so a
-slot freed by this process keeps its file lock ``LINGER_S`` seconds: a request of this
-process that takes the slot again meanwhile takes only the thread lock. One thread frees
-the file locks that lingered that long unused; another process waits at most that much
-longer for the slot.
 """
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from pathlib import Path
@@ -25,10 +18,6 @@ import filelock
 
 from kvproxy.errors import ClientGone, SlotBusy, SlotUnavailable  # noqa: F401 - imported from here too
 from kvproxy.telemetry import metrics
-
-log = logging.getLogger("kvproxy.switch")
-
-LINGER_S = 0.5   # seconds a freed slot keeps its file lock for this process's next request
 
 
 class SlotLock:
@@ -42,11 +31,6 @@ class SlotLock:
         self._file_lock = filelock.FileLock(str(lock_path), thread_local=False)
         self._count_lock = threading.Lock()
         self.waiting = 0
-        # Whether this process holds the file lock, and since when nobody uses it; both
-        # change only under ``_file_guard``, taken after the thread lock.
-        self._file_guard = threading.Lock()
-        self._file_held = False
-        self.freed_at = 0.0
 
     def acquire(self, timeout: float | None = None) -> bool:
         """Take the slot within ``timeout`` (default: the configured bound).
@@ -60,15 +44,11 @@ class SlotLock:
         if waited:
             self._wait_for_thread_lock(started, bound)
         try:
-            with self._file_guard:
-                if not self._file_held:
-                    try:
-                        self._file_lock.acquire(timeout=0)
-                    except filelock.Timeout:  # another process holds the slot
-                        waited = True
-                        self._file_lock.acquire(
-                            timeout=max(0.0, bound - (time.monotonic() - started)))
-                    self._file_held = True
+            try:
+                self._file_lock.acquire(timeout=0)
+            except filelock.Timeout:  # another process holds the slot
+                waited = True
+                self._file_lock.acquire(timeout=max(0.0, bound - (time.monotonic() - started)))
         except filelock.Timeout:
             self.thread_lock.release()
             raise self._busy(started, bound) from None
@@ -87,10 +67,7 @@ class SlotLock:
         if not self.thread_lock.acquire(blocking=False):
             return False
         try:
-            with self._file_guard:
-                if not self._file_held:
-                    self._file_lock.acquire(timeout=0)
-                    self._file_held = True
+            self._file_lock.acquire(timeout=0)
         except filelock.Timeout:
             self.thread_lock.release()
             return False
@@ -130,66 +107,11 @@ class SlotLock:
         return SlotBusy(time.monotonic() - started, retry_after=self._retry_after(bound))
 
     def release(self) -> None:
-        """Free the slot: the thread lock now, the file lock once it lingered ``LINGER_S``
-        seconds unused (``free_file_lock``)."""
-        with self._file_guard:
-            self.freed_at = time.monotonic()
-        self.thread_lock.release()
-        _releaser.linger(self)
-
-    def free_file_lock(self, idle: float = LINGER_S) -> bool:
-        """Free the file lock if no thread of this process has used the slot for ``idle``
-        seconds; True when it is free (or was not held)."""
-        with self._file_guard:
-            if not self._file_held:
-                return True
-            if self.thread_lock.locked() or time.monotonic() - self.freed_at < idle:
-                return False
-            self._file_held = False
+        """Free both locks; the thread lock even when the file lock's release fails."""
+        try:
             self._file_lock.release()
-            return True
-
-
-class _Releaser:
-    """The one thread that frees file locks that lingered ``LINGER_S`` seconds unused."""
-
-    def __init__(self) -> None:
-        self._lingering: set[SlotLock] = set()
-        self._changed = threading.Condition()
-        self._thread: threading.Thread | None = None
-
-    def linger(self, lock: SlotLock) -> None:
-        """Free ``lock``'s file lock once it has lingered. Waking the thread costs the
-        request a thread switch: only a lock not lingering yet wakes it."""
-        with self._changed:
-            if lock in self._lingering:
-                return
-            self._lingering.add(lock)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="kvproxy-slot-locks",
-                                                daemon=True)
-                self._thread.start()
-            self._changed.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._changed:
-                while not self._lingering:
-                    self._changed.wait()
-                lingering = list(self._lingering)
-            for lock in lingering:
-                try:
-                    freed = lock.free_file_lock()
-                except Exception:  # the process's exit frees it at the latest
-                    log.exception("freeing the file lock %s failed", lock.path)
-                    freed = True
-                if freed:
-                    with self._changed:
-                        self._lingering.discard(lock)
-            time.sleep(LINGER_S / 2)
-
-
-_releaser = _Releaser()
+        finally:
+            self.thread_lock.release()
 
 
 def _lock_unusable(exc: Exception) -> SlotUnavailable:
