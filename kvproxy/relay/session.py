@@ -74,5 +74,5 @@ class SessionResolver:
         if index is None:
             with self._lock:
                 index = self._trails.setdefault(key, TrailIndex(store))
-        store.tell_sidecar_writes(index.learn)
+        store.tell_sidecar_writes(index.learn, index.forget)
         return index

@@ -316,6 +316,7 @@ class SessionStore:
         self._table_file_lock = filelock.FileLock(str(self.root / self._scoped(STATE_LOCK)),
                                                   thread_local=False)
         self._sidecar_readers: list[Callable[[str, tuple[int, int], dict], None]] = []
+        self._sidecar_forgetters: list[Callable[[str], None]] = []
         # Per-stem locks, a fixed set the stems hash onto (no lock file per session to clean).
         self._stem_locks = [(threading.RLock(), filelock.FileLock(
             str(self.root / f".kvproxy-files-{n}.lock"), thread_local=False))
@@ -454,12 +455,16 @@ class SessionStore:
         if self.notes.peek(stem) is not None:
             self.update_sidecar(stem, {})
 
-    def tell_sidecar_writes(self, reader: Callable[[str, tuple[int, int], dict], None]) -> None:
+    def tell_sidecar_writes(self, reader: Callable[[str, tuple[int, int], dict], None],
+                            forget: Callable[[str], None] | None = None) -> None:
         """Hand ``reader`` each sidecar ``update_sidecar`` writes: its file name, (modification
-        time in ns, size) and content. An index of the folder then need not read back what
-        this process wrote (a hit rewrites its session's sidecar after every answer)."""
+        time in ns, size) and content; and ``forget`` the file name of each sidecar ``delete``
+        removes. An index of the folder then need not read back what this process wrote, nor
+        list the folder to learn what it deleted."""
         if reader not in self._sidecar_readers:
             self._sidecar_readers.append(reader)
+        if forget is not None and forget not in self._sidecar_forgetters:
+            self._sidecar_forgetters.append(forget)
 
     def update_sidecar(self, stem: str, defaults: dict, count: str | tuple[str, ...] = (),
                        of_save: str | None = None, **changes: Any) -> dict | None:
@@ -546,6 +551,8 @@ class SessionStore:
             removed = True
         except FileNotFoundError:
             pass
+        for forget in self._sidecar_forgetters:
+            forget(self.sidecar_path(stem).name)
         return removed
 
     # -- proxy state: one entry per slot ----------------------------------

@@ -10,7 +10,7 @@ import responses
 
 from kvproxy import create_app
 from kvproxy.sessions import matching
-from kvproxy.relay.trails import TrailIndex
+from kvproxy.relay.trails import RESCAN_S, TrailIndex
 from kvproxy.sessions.identity import Session
 from kvproxy.storage.store import SIDECAR_FORMAT, SessionStore
 from tests.fake_llama import UPSTREAM, FakeLlama
@@ -110,24 +110,63 @@ def test_follow_forks_to_a_new_id_seeded_from_the_saved_conversation():
     assert later.id == forked.id and later.seed is None
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_the_index_reads_only_its_scope_and_rereads_changed_sidecars(tmp_path):
     chat = [SYSTEM, *EXAMPLES, user("ducks")]
     sidecar(tmp_path / "a@m.json", record(chat, "conv-a", "mine"))
     sidecar(tmp_path / "b@m.json", record(chat, "conv-b", "theirs"))
     (tmp_path / "c@m.json").write_text("{not json")
-    index = TrailIndex(SessionStore(tmp_path))
+    clock = Clock()
+    index = TrailIndex(SessionStore(tmp_path), clock=clock)
     assert [r["id"] for r in index.records("mine")] == ["conv-a"]
     sidecar(tmp_path / "a@m.json", record(chat, "conv-a2", "mine"))
+    clock.now += RESCAN_S   # another process's write shows once the folder is listed again
     assert [r["id"] for r in index.records("mine")] == ["conv-a2"]
+
+
+def test_the_index_lists_the_folder_at_most_once_a_rescan_and_learns_its_own_changes(
+        tmp_path, monkeypatch):
+    """Listing the folder is a stat per sidecar: done at most every ``RESCAN_S``; what this
+    process writes or deletes in between shows at once, another process's write after it."""
+    chat = [SYSTEM, *EXAMPLES, user("ducks")]
+    ours, clock = SessionStore(tmp_path), Clock()
+    index = TrailIndex(ours, clock=clock)
+    ours.tell_sidecar_writes(index.learn, index.forget)
+    listings = []
+    files = ours.sidecar_files
+    monkeypatch.setattr(ours, "sidecar_files", lambda: listings.append(1) or files())
+    sidecar(tmp_path / "a@m.json", record(chat, "conv-a", "mine"))
+    assert [r["id"] for r in index.records("mine")] == ["conv-a"]
+    sidecar(tmp_path / "b@m.json", record(chat, "conv-b", "mine"))   # another process's
+    ours.update_sidecar("c@m", {}, trail=record(chat, "conv-c", "mine"))
+    clock.now += RESCAN_S - 0.01
+    assert sorted(r["id"] for r in index.records("mine")) == ["conv-a", "conv-c"]
+    assert len(listings) == 1
+    ours.delete("a@m")
+    assert [r["id"] for r in index.records("mine")] == ["conv-c"]
+    assert len(listings) == 1
+    clock.now += 0.01
+    assert sorted(r["id"] for r in index.records("mine")) == ["conv-b", "conv-c"]
+    assert len(listings) == 2
+    (tmp_path / "b@m.json").unlink()   # another process deletes it: gone at the next listing
+    clock.now += RESCAN_S
+    assert [r["id"] for r in index.records("mine")] == ["conv-c"]
 
 
 
 def test_the_index_takes_this_process_sidecar_writes_without_reading_them_back(tmp_path,
                                                                               monkeypatch):
     chat = [SYSTEM, *EXAMPLES, user("ducks")]
-    ours = SessionStore(tmp_path)
-    index = TrailIndex(ours)
-    ours.tell_sidecar_writes(index.learn)
+    ours, clock = SessionStore(tmp_path), Clock()
+    index = TrailIndex(ours, clock=clock)
+    ours.tell_sidecar_writes(index.learn, index.forget)
     reads = []
     read = index._read
     monkeypatch.setattr(index, "_read", lambda name: reads.append(name) or read(name))
@@ -137,6 +176,7 @@ def test_the_index_takes_this_process_sidecar_writes_without_reading_them_back(t
     # another process's store (this index is not told) rewrites it: read from the file
     theirs = SessionStore(tmp_path)
     theirs.update_sidecar("a@m", {}, count="hits", trail=record(chat, "conv-a2", "mine"))
+    clock.now += RESCAN_S
     assert [r["id"] for r in index.records("mine")] == ["conv-a2"]
     assert reads == ["a@m.json"]
 
@@ -144,7 +184,7 @@ def test_the_index_takes_this_process_sidecar_writes_without_reading_them_back(t
 def test_the_index_knows_a_matched_request_before_its_sidecar_is_written(tmp_path):
     turn1 = [SYSTEM, *EXAMPLES, user("ducks")]
     turn2 = turn1 + [assistant("ok"), user("more")]
-    index = TrailIndex(SessionStore(tmp_path))
+    index = TrailIndex(SessionStore(tmp_path), rescan_s=0)   # every change listed at once
     index.note(record(turn1, "conv-a", "mine"))
     index.note(record(turn1, "conv-b", "theirs"))
     assert [r["id"] for r in index.records("mine")] == ["conv-a"]
