@@ -146,7 +146,8 @@ bench-swap: setup
 	$(BIN)/python -m bench.run --scenario swap $(BENCH_ARGS)
 
 # The no-swap overhead: kvproxy against a bare Flask relay under the same gunicorn, same
-# llama-server, shuffled rounds (BENCH_ARGS="--rounds N", default 1000; about a minute).
+# llama-server, shuffled rounds (BENCH_ARGS="--rounds N --saved M": default 1000 rounds, no other
+# conversations saved in the slot folder; about a minute).
 bench-overhead: setup
 	$(BIN)/python -m bench.overhead $(BENCH_ARGS)
 

@@ -6,7 +6,9 @@ relay that only forwards the body) each under the repository's gunicorn settings
 tiny request goes straight to llama-server, through kvproxy and through the relay, in a
 shuffled order each round (``micro.overhead``); what each proxy adds is its median minus the
 direct median, and the ratio of the two is kvproxy's cost against the floor of any Flask +
-gunicorn + requests proxy on this machine.
+gunicorn + requests proxy on this machine. ``--saved N`` puts N other users' conversations
+(sidecars with a trail) in the slot folder first, as a busy server's folder holds: what
+kvproxy does per request that grows with the folder shows there.
 """
 from __future__ import annotations
 
@@ -16,13 +18,29 @@ import tempfile
 from pathlib import Path
 
 from kvproxy.launch.processes import LlamaServer
+from kvproxy.sessions import matching
+from kvproxy.sessions.identity import Session
+from kvproxy.storage.store import SessionStore
 
 from . import micro
 from .procs import Proxy
 
 
-def measure(rounds: int, work: Path, log=print) -> dict:
+def fill(folder: Path, saved: int) -> None:
+    """``saved`` sidecars of other users' conversations (no slot file: only their sidecars
+    are read per request), each with the trail an anonymous request is matched against."""
+    store = SessionStore(folder)
+    for n in range(saved):
+        chat = [{"role": "system", "content": f"Rules of another user's agent, number {n}. " * 60},
+                {"role": "user", "content": "Hello."}]
+        session = Session(f"other-{n}", "conversation-hash")
+        store.update_sidecar(f"other-{n}", {"session_id": session.id, "kind": "session"},
+                             trail=matching.trail_of(chat).record(session, "another-user"))
+
+
+def measure(rounds: int, work: Path, log=print, saved: int = 0) -> dict:
     """``micro.overhead``'s figures for kvproxy and the bare relay against one llama-server."""
+    fill(work, saved)
     llama = LlamaServer(str(work), slots=1, ctx_size=2048, cache_ram_mib=0,
                         log_path=str(work / "llama.log"))
     proxy = bare = None
@@ -44,11 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1000,
                         help="rounds of one request each way (default 1000: medians of 300 "
                              "still moved by a few tenths of a millisecond from run to run)")
+    parser.add_argument("--saved", type=int, default=0,
+                        help="other users' saved conversations in the slot folder (default 0)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvproxy-overhead-") as work:
         print(f"llama-server, kvproxy and a bare Flask relay; {args.rounds} shuffled rounds of "
-              "one tiny no-swap request each way ...", flush=True)
-        figures = measure(args.rounds, Path(work))
+              f"one tiny no-swap request each way; {args.saved} other conversations saved ...",
+              flush=True)
+        figures = measure(args.rounds, Path(work), saved=args.saved)
     added, floor = figures["added_median_ms"], figures["bare"]["added_median_ms"]
     if figures["requests_not_hit"]:
         print(f"  warning: {figures['requests_not_hit']} request(s) through kvproxy were not hits")
