@@ -3,6 +3,7 @@ rules from trails alone, and through the app against the llama-server stub."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import responses
 
 from kvproxy import create_app
 from kvproxy.sessions import matching
+from kvproxy.relay import trails
 from kvproxy.relay.trails import RESCAN_S, TrailIndex
 from kvproxy.sessions.identity import Session
 from kvproxy.storage.store import SIDECAR_FORMAT, SessionStore
@@ -159,6 +161,56 @@ def test_the_index_lists_the_folder_at_most_once_a_rescan_and_learns_its_own_cha
     clock.now += RESCAN_S
     assert [r["id"] for r in index.records("mine")] == ["conv-c"]
 
+
+
+def test_the_index_reads_a_sidecar_once_and_keeps_the_newest(tmp_path, monkeypatch):
+    """Listing the folder again rereads only sidecars that changed; past ``MAX_RECORDS`` the
+    newest sidecars are the ones compared with."""
+    chat = [SYSTEM, *EXAMPLES, user("ducks")]
+    clock = Clock()
+    index = TrailIndex(SessionStore(tmp_path), clock=clock)
+    reads = []
+    read = index._read
+    monkeypatch.setattr(index, "_read", lambda name: reads.append(name) or read(name))
+    sidecar(tmp_path / "a@m.json", record(chat, "conv-a", "mine"))
+    os.utime(tmp_path / "a@m.json", ns=(1_000_000_000, 1_000_000_000))
+    assert [r["id"] for r in index.records("mine")] == ["conv-a"]
+    clock.now += RESCAN_S
+    assert [r["id"] for r in index.records("mine")] == ["conv-a"]
+    assert reads == ["a@m.json"]
+    monkeypatch.setattr(trails, "MAX_RECORDS", 1)
+    sidecar(tmp_path / "b@m.json", record(chat, "conv-b", "mine"))   # newer than a
+    clock.now += RESCAN_S
+    assert [r["id"] for r in index.records("mine")] == ["conv-b"]
+
+
+def test_the_index_keeps_the_newest_notes(tmp_path, monkeypatch):
+    """At most ``MAX_NOTES`` trails wait for their sidecars; one noted again is new again."""
+    monkeypatch.setattr(trails, "MAX_NOTES", 2)
+    chat = [SYSTEM, *EXAMPLES, user("ducks")]
+    index = TrailIndex(SessionStore(tmp_path), clock=Clock())
+    for sid in ("conv-a", "conv-b", "conv-a", "conv-c"):
+        index.note(record(chat, sid, "mine"))
+    assert sorted(r["id"] for r in index.records("mine")) == ["conv-a", "conv-c"]
+    index.note(None)
+    index.note({"scope": "mine"})   # no id: nothing to wait for
+    assert len(index.records("mine")) == 2
+
+
+def test_the_index_takes_any_write_or_deletion_of_this_process(tmp_path):
+    """A sidecar without a trail, and the deletion of one the index never saw, are taken
+    in stride: the store's write or delete must not fail because an index listens."""
+    chat = [SYSTEM, *EXAMPLES, user("ducks")]
+    ours = SessionStore(tmp_path)
+    index = TrailIndex(ours, clock=Clock())
+    ours.tell_sidecar_writes(index.learn, index.forget)
+    ours.update_sidecar("a@m", {}, count="hits")
+    assert index.records("mine") == []
+    assert ours.delete("never@m") is False
+    ours.update_sidecar("b@m", {}, trail=record(chat, "conv-b", "mine"))
+    assert [r["id"] for r in index.records("mine")] == ["conv-b"]
+    assert ours.delete("b@m") is True
+    assert index.records("mine") == []
 
 
 def test_the_index_takes_this_process_sidecar_writes_without_reading_them_back(tmp_path,
