@@ -12,6 +12,16 @@ from kvproxy.upstream.llama import LlamaClient
 from kvproxy.upstream.slot_file import SLOT_FILE_MAGIC
 from tests.fake_llama import MODEL, UPSTREAM
 
+class Clock:
+    """A clock a test moves by hand (``clock.now += ...``), for code that takes one."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 # Two conversations behind two system prompts, and three without one (the multi-slot tests).
 A = Session("A", "test", system_hash="aaaa", model=MODEL)
 B = Session("B", "test", system_hash="bbbb", model=MODEL)

@@ -11,21 +11,14 @@ import pytest
 from kvproxy.storage import store as store_module
 from kvproxy.storage.notes import HeldNotes
 from kvproxy.storage.store import SessionStore, StorageError, read_json, write_json_atomic
+from tests.support import Clock
 
 DEFAULTS = {"session_id": "s", "kind": "session"}
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def clock():
-    return Clock()
+    return Clock(100.0)
 
 
 @pytest.fixture

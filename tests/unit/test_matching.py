@@ -16,6 +16,7 @@ from kvproxy.relay.trails import RESCAN_S, TrailIndex
 from kvproxy.sessions.identity import Session
 from kvproxy.storage.store import SIDECAR_FORMAT, SessionStore
 from tests.fake_llama import UPSTREAM, FakeLlama
+from tests.support import Clock
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 40}
 EXAMPLES = [{"role": "user", "content": "Example question, with its worked answer. " * 60},
@@ -112,12 +113,21 @@ def test_follow_forks_to_a_new_id_seeded_from_the_saved_conversation():
     assert later.id == forked.id and later.seed is None
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
+def told_index(tmp_path):
+    """A store, the trail index it tells of its sidecar writes and deletions, and the
+    index's clock."""
+    store, clock = SessionStore(tmp_path), Clock()
+    index = TrailIndex(store, clock=clock)
+    store.tell_sidecar_writes(index.learn, index.forget)
+    return store, index, clock
 
-    def __call__(self) -> float:
-        return self.now
+
+def spied_reads(index, monkeypatch) -> list[str]:
+    """The sidecars ``index`` reads from their files from now on, in order."""
+    reads = []
+    read = index._read
+    monkeypatch.setattr(index, "_read", lambda name: reads.append(name) or read(name))
+    return reads
 
 
 def test_the_index_reads_only_its_scope_and_rereads_changed_sidecars(tmp_path):
@@ -138,9 +148,7 @@ def test_the_index_lists_the_folder_at_most_once_a_rescan_and_learns_its_own_cha
     """Listing the folder is a stat per sidecar: done at most every ``RESCAN_S``; what this
     process writes or deletes in between shows at once, another process's write after it."""
     chat = [SYSTEM, *EXAMPLES, user("ducks")]
-    ours, clock = SessionStore(tmp_path), Clock()
-    index = TrailIndex(ours, clock=clock)
-    ours.tell_sidecar_writes(index.learn, index.forget)
+    ours, index, clock = told_index(tmp_path)
     listings = []
     files = ours.sidecar_files
     monkeypatch.setattr(ours, "sidecar_files", lambda: listings.append(1) or files())
@@ -169,9 +177,7 @@ def test_the_index_reads_a_sidecar_once_and_keeps_the_newest(tmp_path, monkeypat
     chat = [SYSTEM, *EXAMPLES, user("ducks")]
     clock = Clock()
     index = TrailIndex(SessionStore(tmp_path), clock=clock)
-    reads = []
-    read = index._read
-    monkeypatch.setattr(index, "_read", lambda name: reads.append(name) or read(name))
+    reads = spied_reads(index, monkeypatch)
     sidecar(tmp_path / "a@m.json", record(chat, "conv-a", "mine"))
     os.utime(tmp_path / "a@m.json", ns=(1_000_000_000, 1_000_000_000))
     assert [r["id"] for r in index.records("mine")] == ["conv-a"]
@@ -201,9 +207,7 @@ def test_the_index_takes_any_write_or_deletion_of_this_process(tmp_path):
     """A sidecar without a trail, and the deletion of one the index never saw, are taken
     in stride: the store's write or delete must not fail because an index listens."""
     chat = [SYSTEM, *EXAMPLES, user("ducks")]
-    ours = SessionStore(tmp_path)
-    index = TrailIndex(ours, clock=Clock())
-    ours.tell_sidecar_writes(index.learn, index.forget)
+    ours, index, _clock = told_index(tmp_path)
     ours.update_sidecar("a@m", {}, count="hits")
     assert index.records("mine") == []
     assert ours.delete("never@m") is False
@@ -216,12 +220,8 @@ def test_the_index_takes_any_write_or_deletion_of_this_process(tmp_path):
 def test_the_index_takes_this_process_sidecar_writes_without_reading_them_back(tmp_path,
                                                                               monkeypatch):
     chat = [SYSTEM, *EXAMPLES, user("ducks")]
-    ours, clock = SessionStore(tmp_path), Clock()
-    index = TrailIndex(ours, clock=clock)
-    ours.tell_sidecar_writes(index.learn, index.forget)
-    reads = []
-    read = index._read
-    monkeypatch.setattr(index, "_read", lambda name: reads.append(name) or read(name))
+    ours, index, clock = told_index(tmp_path)
+    reads = spied_reads(index, monkeypatch)
     ours.update_sidecar("a@m", {}, count="hits", trail=record(chat, "conv-a", "mine"))
     assert [r["id"] for r in index.records("mine")] == ["conv-a"]
     assert reads == []

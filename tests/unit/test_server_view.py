@@ -3,16 +3,9 @@ import responses
 
 from kvproxy.upstream.llama import LlamaClient
 from kvproxy.upstream.view import ServerView
+from tests.support import Clock
 
 URL = "http://llama.test"
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
 
 
 def stubbed(mock):
