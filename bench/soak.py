@@ -47,9 +47,10 @@ OLLAMA_MODEL = ["?"]  # the served name, read from /api/tags at start
 POOL_THREADS = 16
 # kvproxy's own long-lived threads besides the pool, each started on first use: the
 # save-behind saver, the one that asks llama-server's fingerprint beside a swap, the one
-# that watches whole answers' clients, the one that writes held sidecar notes, and up to
-# _AfterReply.MAX_THREADS that run a reply's closers.
-BACKGROUND_THREADS = 4 + _AfterReply.MAX_THREADS
+# that watches whole answers' clients, the one that writes held sidecar notes, the one
+# that frees lingering slot file locks, and up to _AfterReply.MAX_THREADS that run a
+# reply's closers.
+BACKGROUND_THREADS = 5 + _AfterReply.MAX_THREADS
 # A miss may still share the chat template's first tokens with what the slot held.
 MISS_REUSE_MAX = 16
 

@@ -62,6 +62,8 @@ RENDERERS = {("anthropic", True): (anthropic_translate, "stream_events"),
 def inject(step: str, api: str, stream: bool, app, monkeypatch) -> None:
     """Make ``step`` fail for the next request."""
     switch = app.extensions["kvproxy.switch"]
+    if step.startswith("lock-"):    # the file lock an earlier request left lingering
+        assert switch.lock.free_file_lock(idle=0)
     if step == "lock-permission":
         monkeypatch.setattr(switch.lock._file_lock, "acquire",
                             raiser(PermissionError(errno.EACCES, "Permission denied")))
