@@ -308,8 +308,11 @@ def _usable(value: Any) -> str | None:
 def explicit_id(headers: Mapping[str, str], body: Mapping[str, Any],
                 header_names: Iterable[str]) -> tuple[str, str] | None:
     """The id a client named, with its source, or None."""
+    # One pass over the headers, the first of repeated ones kept: werkzeug's ``get`` walks
+    # them all for each of the configured names.
+    sent = {name.lower(): value for name, value in reversed(list(headers.items()))}
     for name in header_names:
-        raw = headers.get(name)
+        raw = sent.get(name.lower())
         value = _usable(header_text(raw) if isinstance(raw, str) else raw)
         if value:
             return value, f"header:{name}"

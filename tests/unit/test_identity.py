@@ -32,6 +32,13 @@ def test_litellms_session_header_names_the_session_as_openhands_sends_it():
     assert session.id == "oh-1"
 
 
+def test_a_repeated_header_names_the_session_by_its_first_value_whatever_its_case():
+    from werkzeug.datastructures import Headers
+    headers = Headers([("x-session-id", "first"), ("X-Session-Id", "second")])
+    assert resolve(headers=headers).id == "first"
+    assert resolve(headers={"x-conversation-id": "lower"}).id == "lower"
+
+
 def test_headers_follow_the_configured_order():
     headers = {name: f"id-{i}" for i, name in enumerate(HEADERS)}
     for i, name in enumerate(HEADERS):
