@@ -11,11 +11,13 @@ without locks) is a ``SlotUnavailable``, and leaves the thread lock free.
 Taking and freeing the file lock cost a no-swap request about a fifth of a millisecond, so
 a slot freed by this process keeps its file lock while this process keeps using it: a
 request of this process that takes the slot again takes only the thread lock. The file lock
-is let go once it has gone ``LINGER_S`` seconds unused, and as soon as another process
+is let go once it has gone ``LINGER_S`` seconds unused, and whenever another process
 asks for it: a process that finds the file lock taken leaves a marker beside it
-(``<lock>.asked``), and the holder frees the file lock at its next release, or within
-``TICK_S`` when it is not using the slot. So another process waits for the slot as it
-did before (its next look, ``pool.POLL``), at most ``TICK_S`` longer.
+(``<lock>.asked``, left again at each of its looks, ``pool.POLL``), and for ``ASKED_S``
+seconds after the last ask the holder frees the file lock at every release, or within
+``TICK_S`` when it is not using the slot. So under steady use by this process another
+process finds the slot free between two requests as often as it did before the file lock
+was kept, and an idle holder keeps it waiting at most ``TICK_S`` longer.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ log = logging.getLogger("kvproxy.switch")
 
 LINGER_S = 0.5   # seconds a freed slot keeps its file lock for this process's next request
 TICK_S = 0.1     # seconds between two looks of the releaser at the lingering file locks
+ASKED_S = 1.0    # seconds after another process's last ask during which no file lock lingers
 
 
 class SlotLock:
@@ -53,6 +56,7 @@ class SlotLock:
         self._file_guard = threading.Lock()
         self._file_held = False
         self.freed_at = 0.0
+        self._asked_until = 0.0   # another process asked lately: the file lock lingers not
 
     def acquire(self, timeout: float | None = None) -> bool:
         """Take the slot within ``timeout`` (default: the configured bound).
@@ -145,15 +149,18 @@ class SlotLock:
             pass
 
     def _asked_for(self) -> bool:
-        """Whether another process asked for the file lock; the question is answered (the
-        marker removed) by letting go of it."""
+        """Whether another process asked for the file lock in the last ``ASKED_S`` seconds
+        (each ask is taken in: its marker removed). While it waits it asks at each look,
+        so the lock is let go at every release until it got in."""
+        now = time.monotonic()
         try:
             os.unlink(self.asked_path)
-            return True
+            self._asked_until = now + ASKED_S
         except FileNotFoundError:
-            return False
-        except OSError:
-            return True   # a marker that cannot be removed still asks
+            pass
+        except OSError:   # a marker that cannot be removed still asks
+            self._asked_until = now + ASKED_S
+        return now < self._asked_until
 
     def release(self) -> None:
         """Free the slot: the thread lock now, the file lock now when another process asked

@@ -169,3 +169,53 @@ def test_a_folder_that_takes_no_marker_still_frees_the_lock_after_lingering(slot
     assert not other.try_acquire()          # the ask fails quietly
     assert other.acquire(timeout=LINGER_S + TICK_S * 4 + 5) is True
     other.release()
+
+
+def test_after_an_ask_every_release_lets_the_file_lock_go_for_a_while(slot_lock, monkeypatch):
+    """The waiting process asks at each of its looks; meanwhile this process's requests
+    free the file lock at each release, not only the first one after the ask."""
+    other = another_process_slot_lock(slot_lock)
+    slot_lock.acquire()
+    assert not other.try_acquire()
+    slot_lock.release()
+    slot_lock.acquire()                   # this process's next request takes the file again
+    slot_lock.release()                   # and lets it go again: asked a moment ago
+    assert other.try_acquire()
+    other.release()
+    monkeypatch.setattr(lock_module, "ASKED_S", 0.05)
+    slot_lock.acquire()
+    assert not other.try_acquire()
+    slot_lock.release()                   # asked: let go
+    time.sleep(0.1)                       # nobody asked since: lingering resumes
+    slot_lock.acquire()
+    slot_lock.release()
+    with pytest.raises(filelock.Timeout):
+        other_process(slot_lock).acquire(timeout=0)
+
+
+@pytest.mark.timeout(30)
+def test_a_process_looking_every_poll_gets_in_between_another_ones_steady_requests(slot_lock):
+    """This process serves requests back to back (5 ms each, 5 ms apart); another one looks
+    for the slot every 0.1 s, as the pool does, and gets it within a few looks."""
+    import threading
+    other = another_process_slot_lock(slot_lock)
+    stop = threading.Event()
+
+    def steady_requests():
+        while not stop.is_set():
+            slot_lock.acquire()
+            time.sleep(0.005)
+            slot_lock.release()
+            time.sleep(0.005)
+    serving = threading.Thread(target=steady_requests)
+    serving.start()
+    try:
+        looks = 0
+        while not other.try_acquire():
+            looks += 1
+            assert looks < 50, "the other process never got the slot"
+            time.sleep(0.1)
+        other.release()
+    finally:
+        stop.set()
+        serving.join(timeout=5)
