@@ -40,7 +40,7 @@ from bench.workload import long_text
 from kvproxy.sessions.identity import normalise_id
 from kvproxy.launch.processes import LlamaServer
 from kvproxy.slots.lease import header_safe
-from kvproxy.web.common import _AfterReply
+from kvproxy.web.common import AFTER_REPLY_THREADS
 
 APIS = ("openai", "anthropic", "ollama")
 OLLAMA_MODEL = ["?"]  # the served name, read from /api/tags at start
@@ -48,9 +48,9 @@ POOL_THREADS = 16
 # kvproxy's own long-lived threads besides the pool, each started on first use: the
 # save-behind saver, the one that asks llama-server's fingerprint beside a swap, the one
 # that watches whole answers' clients, the one that writes held sidecar notes, the one
-# that frees lingering slot file locks, and up to _AfterReply.MAX_THREADS that run a
+# that frees lingering slot file locks, and up to AFTER_REPLY_THREADS that run a
 # reply's closers.
-BACKGROUND_THREADS = 5 + _AfterReply.MAX_THREADS
+BACKGROUND_THREADS = 5 + AFTER_REPLY_THREADS
 # A miss may still share the chat template's first tokens with what the slot held.
 MISS_REUSE_MAX = 16
 

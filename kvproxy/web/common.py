@@ -44,6 +44,7 @@ def json_body() -> dict:
 
 
 CLOSERS = "kvproxy.slot_closers"
+AFTER_REPLY_THREADS = 8  # at most this many threads run the closers of replies already sent
 
 
 def hold_slot_until_closed(close: Callable[[], None]) -> None:
@@ -79,13 +80,11 @@ class _AfterReply:
     response's ``close`` has returned, and a chat's closer records what the answer
     showed (state table, sidecar) before it frees the slot: about a millisecond
     that a client sending its next request at once would wait for. Each closer
-    runs here with its slot still held; a thread is added (up to ``MAX_THREADS``)
+    runs here with its slot still held; a thread is added (up to ``AFTER_REPLY_THREADS``)
     when none is free, so a release that has to ask llama-server (an answer cut
     short) holds up no other slot's. ``settle`` lets a reader of that record (the
     admin API, the status page) wait for the replies sent before it.
     """
-
-    MAX_THREADS = 8
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -112,7 +111,7 @@ class _AfterReply:
         with self._lock:
             if self._idle:
                 self._idle -= 1
-            elif self._threads < self.MAX_THREADS:
+            elif self._threads < AFTER_REPLY_THREADS:
                 self._threads += 1
                 threading.Thread(target=self._serve, daemon=True,
                                  name="kvproxy-after-reply").start()
