@@ -13,7 +13,8 @@ a slot freed by this process keeps its file lock while this process keeps using 
 request of this process that takes the slot again takes only the thread lock. The file lock
 is let go once it has gone ``LINGER_S`` seconds unused, and whenever another process
 asks for it: a process that finds the file lock taken leaves a marker beside it
-(``<lock>.asked``, left again at each of its looks, ``pool.POLL``), and for ``ASKED_S``
+(``<lock>.asked``, left again at each of its looks: ``pool.POLL``, or every ``TICK_S``
+while a blocking ``acquire`` waits), and for ``ASKED_S``
 seconds after the last ask the holder frees the file lock at every release, or within
 ``TICK_S`` when it is not using the slot. So under steady use by this process another
 process finds the slot free between two requests as often as it did before the file lock
@@ -76,9 +77,7 @@ class SlotLock:
                         self._file_lock.acquire(timeout=0)
                     except filelock.Timeout:  # another process holds the slot
                         waited = True
-                        self._ask_for_file_lock()
-                        self._file_lock.acquire(
-                            timeout=max(0.0, bound - (time.monotonic() - started)))
+                        self._wait_for_file_lock(started, bound)
                     self._file_held = True
         except filelock.Timeout:
             self.thread_lock.release()
@@ -140,6 +139,19 @@ class SlotLock:
     def _busy(self, started: float, bound: float) -> SlotBusy:
         metrics.REJECTED.labels("timeout").inc()
         return SlotBusy(time.monotonic() - started, retry_after=self._retry_after(bound))
+
+    def _wait_for_file_lock(self, started: float, bound: float) -> None:
+        """Wait for another process's file lock until ``bound``, asking for it every
+        ``TICK_S`` as the pool's waiters do at each look (``filelock.Timeout`` at the bound)."""
+        while True:
+            self._ask_for_file_lock()
+            remaining = bound - (time.monotonic() - started)
+            try:
+                self._file_lock.acquire(timeout=max(0.0, min(remaining, TICK_S)))
+                return
+            except filelock.Timeout:
+                if remaining <= TICK_S:
+                    raise
 
     def _ask_for_file_lock(self) -> None:
         """Tell the process holding the file lock that this one wants it (``asked_path``)."""

@@ -219,3 +219,20 @@ def test_a_process_looking_every_poll_gets_in_between_another_ones_steady_reques
     finally:
         stop.set()
         serving.join(timeout=5)
+
+
+def test_a_request_waiting_for_another_process_asks_at_each_look_until_its_bound(slot_lock,
+                                                                                monkeypatch):
+    """A blocking take (housekeeping, the start-up checks) asks every TICK_S, not once: a
+    holder answers an ask for ASKED_S only, and its slot may stay busy longer."""
+    other = another_process_slot_lock(slot_lock)
+    asks = []
+    ask = other._ask_for_file_lock
+    monkeypatch.setattr(other, "_ask_for_file_lock", lambda: (asks.append(1), ask()))
+    assert slot_lock.try_acquire()          # in use all along: it never lets go
+    with pytest.raises(lock_module.SlotBusy):
+        other.acquire(timeout=TICK_S * 3.5)
+    assert len(asks) >= 3
+    slot_lock.release()                     # the last ask is answered at this release
+    assert other.acquire(timeout=5) is False   # free at once: it did not wait
+    other.release()
