@@ -14,9 +14,9 @@ request of this process that takes the slot again takes only the thread lock. Th
 is let go once it has gone ``LINGER_S`` seconds unused, and whenever another process
 asks for it: a process that finds the file lock taken leaves a marker beside it
 (``<lock>.asked``, left again at each of its looks: ``pool.POLL``, or every ``TICK_S``
-while a blocking ``acquire`` waits), and for ``ASKED_S``
-seconds after the last ask the holder frees the file lock at every release, or within
-``TICK_S`` when it is not using the slot. So under steady use by this process another
+while a blocking ``acquire`` waits), and for ``ASKED_S`` seconds after the last ask the
+holder frees the file lock at every release, or within ``TICK_S`` when it is not using
+the slot. So under steady use by this process another
 process finds the slot free between two requests as often as it did before the file lock
 was kept, and an idle holder keeps it waiting at most ``TICK_S`` longer.
 """
