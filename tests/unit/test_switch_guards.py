@@ -3,7 +3,6 @@ the save at shutdown, restart detection after an empty start, every part of the 
 fingerprint, the cross-process lock, the restore-miss streak, clear() on ``default``,
 and eviction as /metrics counts it."""
 import logging
-import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -11,7 +10,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvproxy import create_app
 from kvproxy.sessions.identity import Session
 from kvproxy.storage.store import SessionStore
-from kvproxy.slots.lock import LINGER_S
 from kvproxy.slots.switch import HIT, MISS, RESTORED, SlotBusy
 from tests.fake_llama import UPSTREAM, FakePrompt, make_switch, MODEL
 from tests.support import metric
@@ -188,7 +186,8 @@ def test_file_made_with_anything_else_is_refused(tmp_path, fake, part):
 # -- two proxies on one slot folder --------------------------------------------------
 def test_two_proxies_on_one_slot_folder_take_turns(tmp_path, fake):
     """Two switches (two processes) with their own thread locks share the folder's lock;
-    the second waits for the file lock the first keeps a moment after its request."""
+    the second asked for it while it waited, so the first lets its file lock go at its
+    release instead of keeping it for its own next request."""
     first = make_switch(tmp_path, lock_timeout=0.3)
     second = make_switch(tmp_path, lock_timeout=0.3)
     lease = first.acquire(A)
@@ -196,14 +195,7 @@ def test_two_proxies_on_one_slot_folder_take_turns(tmp_path, fake):
         second.acquire(B)
     fake.tokens = 20
     first.release(lease, {"cache_n": 0, "prompt_n": 19, "predicted_n": 1})
-    deadline = time.monotonic() + LINGER_S + 10
-    while True:
-        try:
-            taken = second.acquire(B)
-            break
-        except SlotBusy:
-            assert time.monotonic() < deadline, "the first switch never let its file lock go"
-    assert taken.cache == MISS
+    assert second.acquire(B).cache == MISS
     assert fake.actions[-2:] == [("save", f"{A.stem}.saving.bin"), ("erase", None)]
     assert SessionStore(tmp_path).has_bin(A.stem)
 
