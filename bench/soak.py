@@ -48,9 +48,10 @@ POOL_THREADS = 16
 # kvproxy's own long-lived threads besides the pool, each started on first use: the
 # save-behind saver, the one that asks llama-server's fingerprint beside a swap, the one
 # that watches whole answers' clients, the one that writes held sidecar notes, the one
-# that frees lingering slot file locks, and up to AFTER_REPLY_THREADS that run a
-# reply's closers.
-BACKGROUND_THREADS = 5 + AFTER_REPLY_THREADS
+# that frees lingering slot file locks, the one that lists the slot folder for the trail
+# index (for a moment, once a second), and up to AFTER_REPLY_THREADS that run a reply's
+# closers.
+BACKGROUND_THREADS = 6 + AFTER_REPLY_THREADS
 # A miss may still share the chat template's first tokens with what the slot held.
 MISS_REUSE_MAX = 16
 

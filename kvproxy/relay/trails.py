@@ -6,17 +6,22 @@ most once every ``RESCAN_S`` (listing it means a stat per sidecar: with a thousa
 conversations that was 3 ms of every anonymous request), takes what this process writes
 or deletes as it happens without reading it back, rereads a sidecar only when its file
 changed (modification time and size), and remembers the trails of requests matched whose
-sidecar is not written yet. Another process's writes show at most ``RESCAN_S`` late, as
-its held notes (``storage.notes``) do anyway.
+sidecar is not written yet. Only the first listing runs on a request's path: later ones
+run on a thread of their own while requests use the last one, so no request waits for a
+stat per sidecar once a second. Another process's writes show at most ``RESCAN_S`` plus
+one listing late, as its held notes (``storage.notes``) do anyway.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Callable
 
 from kvproxy.sessions.matching import trail_record
 from kvproxy.storage.store import SessionStore
+
+log = logging.getLogger("kvproxy.relay")
 
 MAX_RECORDS = 1024         # the newest sidecars a request is compared with
 MAX_NOTES = 256            # trails of requests whose sidecar is not written yet
@@ -35,16 +40,24 @@ class TrailIndex:
     the first one, or it would be merged into it."""
 
     def __init__(self, store: SessionStore, rescan_s: float = RESCAN_S,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 in_background: Callable[[Callable[[], None]], None] | None = None):
         self.store = store
         self.rescan_s = rescan_s
         self._clock = clock
+        self._in_background = in_background or on_a_thread
         self._cache: dict[str, tuple[tuple[int, int], dict | None]] = {}
         self._notes: dict[str, tuple[float, dict]] = {}  # session id: (monotonic, record)
         self._listed: dict[str, tuple[int, int]] = {}    # sidecar name: (mtime ns, size)
         self._listed_at: float | None = None
-        self._by_scope: dict[str, list[dict]] | None = None  # None: the listing changed
+        # The grouped records: scope -> sidecar name -> record, oldest first (a session's
+        # newest sidecar speaks for it); None until the first listing.
+        self._by_scope: dict[str, dict[str, dict]] | None = None
+        # While a listing runs: what this process wrote (a name's listing) or deleted (None)
+        # meanwhile, laid over the listing when it is taken (it may predate them).
+        self._meanwhile: dict[str, tuple[int, int] | None] | None = None
         self._lock = threading.Lock()
+        self._first_listing = threading.Lock()
 
     def note(self, record: dict | None) -> None:
         """Remember the trail a request was matched to until its sidecar shows it."""
@@ -58,21 +71,28 @@ class TrailIndex:
 
     def learn(self, name: str, written: tuple[int, int], sidecar: dict) -> None:
         """A sidecar this process has just written (``SessionStore.tell_sidecar_writes``):
-        listed and cached as the folder's listing will show it, so the next request does not
-        read it back. A file another process writes later differs in time or size and is read."""
+        listed, cached and grouped as the folder's listing will show it, so the next request
+        neither reads it back nor regroups the folder. A file another process writes later
+        differs in time or size and is read."""
         record = trail_record(sidecar)
+        record = dict(record) if record is not None else None
         with self._lock:
-            self._cache[name] = (written, dict(record) if record is not None else None)
+            _ungroup(self._by_scope, self._cache, name)
+            self._cache[name] = (written, record)
             if not name.startswith(BASE_PREFIX):
                 self._listed[name] = written
-                self._by_scope = None
+                _group(self._by_scope, name, record)
+                if self._meanwhile is not None:
+                    self._meanwhile[name] = written
 
     def forget(self, name: str) -> None:
         """A sidecar this process has just deleted: no longer listed."""
         with self._lock:
+            _ungroup(self._by_scope, self._cache, name)
             self._cache.pop(name, None)
-            if self._listed.pop(name, None) is not None:
-                self._by_scope = None
+            self._listed.pop(name, None)
+            if self._meanwhile is not None:
+                self._meanwhile[name] = None
 
     def records(self, scope: str) -> list[dict]:
         """This scope's records: the sidecars', each replaced by a newer note of its session."""
@@ -93,38 +113,80 @@ class TrailIndex:
         self._list_if_due()
         with self._lock:
             if self._by_scope is None:
-                self._by_scope = self._grouped()
-            return list(self._by_scope.get(scope, ()))
+                return []  # the first listing failed: the next request tries again
+            return list(self._by_scope.get(scope, {}).values())
 
     def _list_if_due(self) -> None:
+        """List the folder on this request's path the first time (a request that comes
+        meanwhile waits for that listing); later, when due, start a listing in the background
+        (one at a time) and go on with the last one."""
         with self._lock:
-            if self._listed_at is not None and \
-                    self._clock() - self._listed_at < self.rescan_s:
-                return
-        started = self._clock()
-        listed = {name: (mtime, size) for name, mtime, size in self.store.sidecar_files()
-                  if not name.startswith(BASE_PREFIX)}
-        with self._lock:
-            self._listed, self._listed_at, self._by_scope = listed, started, None
+            first = self._listed_at is None
+            if not first:
+                if self._meanwhile is not None or \
+                        self._clock() - self._listed_at < self.rescan_s:
+                    return
+                self._meanwhile = {}
+        if first:
+            with self._first_listing:
+                with self._lock:
+                    if self._listed_at is not None:
+                        return
+                    self._meanwhile = {}
+                self._list()
+            return
+        try:
+            self._in_background(self._list)
+        except Exception as exc:  # no thread to be had: the last listing serves meanwhile
+            log.warning("the slot folder could not be listed in the background: %s", exc)
+            with self._lock:
+                self._meanwhile = None
 
-    def _grouped(self) -> dict[str, list[dict]]:
-        """The newest ``MAX_RECORDS`` listed sidecars' records by scope, reading those that
-        changed (called under the lock, once per change of the listing)."""
-        newest = sorted(((mtime, name, size) for name, (mtime, size) in self._listed.items()),
+    def _list(self) -> None:
+        """List the folder and group its records, outside the lock (requests go on with the
+        last grouping), then take both, with what this process wrote or deleted meanwhile
+        laid over them (the listing may predate it)."""
+        started = self._clock()
+        try:
+            listed = {name: (mtime, size) for name, mtime, size in self.store.sidecar_files()
+                      if not name.startswith(BASE_PREFIX)}
+            with self._lock:
+                cache = dict(self._cache)
+            by_scope, cache = self._grouped(listed, cache)
+        except BaseException:
+            with self._lock:
+                self._meanwhile = None
+            raise
+        with self._lock:
+            meanwhile, self._meanwhile = self._meanwhile or {}, None
+            for name, written in meanwhile.items():
+                _ungroup(by_scope, cache, name)
+                if written is None:
+                    listed.pop(name, None)
+                    cache.pop(name, None)
+                else:
+                    listed[name] = written
+                    cache[name] = self._cache.get(name, (written, None))
+                    _group(by_scope, name, cache[name][1])
+            self._listed, self._listed_at = listed, started
+            self._cache, self._by_scope = cache, by_scope
+
+    def _grouped(self, listed: dict[str, tuple[int, int]],
+                 cache: dict[str, tuple[tuple[int, int], dict | None]]
+                 ) -> tuple[dict[str, dict[str, dict]], dict]:
+        """The newest ``MAX_RECORDS`` listed sidecars' records by scope, oldest first, and the
+        cache of their trails, reading those that changed."""
+        newest = sorted(((mtime, name, size) for name, (mtime, size) in listed.items()),
                         reverse=True)[:MAX_RECORDS]
-        by_scope: dict[str, list[dict]] = {}
-        for mtime, name, size in newest:
-            cached = self._cache.get(name)
+        by_scope: dict[str, dict[str, dict]] = {}
+        kept = {}
+        for mtime, name, size in reversed(newest):
+            cached = cache.get(name)
             if cached is None or cached[0] != (mtime, size):
                 cached = ((mtime, size), self._read(name))
-                self._cache[name] = cached
-            record = cached[1]
-            if record and isinstance(record.get("scope"), str):
-                by_scope.setdefault(record["scope"], []).append(record)
-        kept = {name for _mtime, name, _size in newest}
-        for name in [n for n in self._cache if n not in kept]:
-            del self._cache[name]
-        return by_scope
+            kept[name] = cached
+            _group(by_scope, name, cached[1])
+        return by_scope, kept
 
     def _read(self, name: str) -> dict | None:
         """The trail of one sidecar, as the store reads it (older formats migrated)."""
@@ -133,3 +195,29 @@ class TrailIndex:
         except OSError:
             return None
         return trail_record(sidecar)
+
+
+def _group(by_scope: dict[str, dict[str, dict]] | None, name: str, record: dict | None) -> None:
+    """Add a sidecar's record to a grouping, as its newest."""
+    if by_scope is not None and record and isinstance(record.get("scope"), str):
+        by_scope.setdefault(record["scope"], {})[name] = record
+
+
+def _ungroup(by_scope: dict[str, dict[str, dict]] | None,
+             cache: dict[str, tuple[tuple[int, int], dict | None]], name: str) -> None:
+    """Take a sidecar's record (as ``cache`` has it) out of a grouping."""
+    cached = cache.get(name)
+    scope = cached[1].get("scope") if cached and cached[1] else None
+    if by_scope is not None and isinstance(scope, str):
+        by_scope.get(scope, {}).pop(name, None)
+
+
+def on_a_thread(job: Callable[[], None]) -> None:
+    """Run ``job`` on a daemon thread of its own (a listing: a stat per sidecar, and a read
+    of each sidecar that changed)."""
+    def run() -> None:
+        try:
+            job()
+        except Exception:  # the next due request starts another
+            log.exception("listing the slot folder failed")
+    threading.Thread(target=run, name="kvproxy-trail-listing", daemon=True).start()

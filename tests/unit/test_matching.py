@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -113,11 +114,17 @@ def test_follow_forks_to_a_new_id_seeded_from_the_saved_conversation():
     assert later.id == forked.id and later.seed is None
 
 
-def told_index(tmp_path):
+def run_now(job):
+    """A listing due is run at once, on the request's thread (the index's tests of what a
+    listing shows; the background is tested on its own below)."""
+    job()
+
+
+def told_index(tmp_path, in_background=run_now):
     """A store, the trail index it tells of its sidecar writes and deletions, and the
     index's clock."""
     store, clock = SessionStore(tmp_path), Clock()
-    index = TrailIndex(store, clock=clock)
+    index = TrailIndex(store, clock=clock, in_background=in_background)
     store.tell_sidecar_writes(index.learn, index.forget)
     return store, index, clock
 
@@ -136,7 +143,7 @@ def test_the_index_reads_only_its_scope_and_rereads_changed_sidecars(tmp_path):
     sidecar(tmp_path / "b@m.json", record(chat, "conv-b", "theirs"))
     (tmp_path / "c@m.json").write_text("{not json")
     clock = Clock()
-    index = TrailIndex(SessionStore(tmp_path), clock=clock)
+    index = TrailIndex(SessionStore(tmp_path), clock=clock, in_background=run_now)
     assert [r["id"] for r in index.records("mine")] == ["conv-a"]
     sidecar(tmp_path / "a@m.json", record(chat, "conv-a2", "mine"))
     clock.now += RESCAN_S   # another process's write shows once the folder is listed again
@@ -176,7 +183,7 @@ def test_the_index_reads_a_sidecar_once_and_keeps_the_newest(tmp_path, monkeypat
     newest sidecars are the ones compared with."""
     chat = [SYSTEM, *EXAMPLES, user("ducks")]
     clock = Clock()
-    index = TrailIndex(SessionStore(tmp_path), clock=clock)
+    index = TrailIndex(SessionStore(tmp_path), clock=clock, in_background=run_now)
     reads = spied_reads(index, monkeypatch)
     sidecar(tmp_path / "a@m.json", record(chat, "conv-a", "mine"))
     os.utime(tmp_path / "a@m.json", ns=(1_000_000_000, 1_000_000_000))
@@ -194,7 +201,7 @@ def test_the_index_keeps_the_newest_notes(tmp_path, monkeypatch):
     """At most ``MAX_NOTES`` trails wait for their sidecars; one noted again is new again."""
     monkeypatch.setattr(trails, "MAX_NOTES", 2)
     chat = [SYSTEM, *EXAMPLES, user("ducks")]
-    index = TrailIndex(SessionStore(tmp_path), clock=Clock())
+    index = TrailIndex(SessionStore(tmp_path), clock=Clock(), in_background=run_now)
     for sid in ("conv-a", "conv-b", "conv-a", "conv-c"):
         index.note(record(chat, sid, "mine"))
     assert sorted(r["id"] for r in index.records("mine")) == ["conv-a", "conv-c"]
@@ -236,7 +243,8 @@ def test_the_index_takes_this_process_sidecar_writes_without_reading_them_back(t
 def test_the_index_knows_a_matched_request_before_its_sidecar_is_written(tmp_path):
     turn1 = [SYSTEM, *EXAMPLES, user("ducks")]
     turn2 = turn1 + [assistant("ok"), user("more")]
-    index = TrailIndex(SessionStore(tmp_path), rescan_s=0)   # every change listed at once
+    index = TrailIndex(SessionStore(tmp_path), rescan_s=0,   # every change listed at once
+                       in_background=run_now)
     index.note(record(turn1, "conv-a", "mine"))
     index.note(record(turn1, "conv-b", "theirs"))
     assert [r["id"] for r in index.records("mine")] == ["conv-a"]
@@ -249,6 +257,154 @@ def test_the_index_knows_a_matched_request_before_its_sidecar_is_written(tmp_pat
     assert [r["whole"] for r in index.records("mine")] == [record(turn2)["whole"]]
     (tmp_path / "a@m.json").unlink()
     assert index.records("mine") == []
+
+
+class Later:
+    """Background listings held until the test runs them."""
+
+    def __init__(self):
+        self.jobs = []
+
+    def __call__(self, job):
+        self.jobs.append(job)
+
+    def run(self):
+        jobs, self.jobs = self.jobs, []
+        for job in jobs:
+            job()
+
+
+def test_a_due_listing_runs_in_the_background_and_requests_use_the_last_one(tmp_path,
+                                                                           monkeypatch):
+    """Only the first listing is a request's wait: a later one starts in the background
+    (one at a time) while requests go on with the last listing."""
+    chat = [SYSTEM, *EXAMPLES, user("ducks")]
+    later = Later()
+    ours, index, clock = told_index(tmp_path, in_background=later)
+    listings = []
+    files = ours.sidecar_files
+    monkeypatch.setattr(ours, "sidecar_files", lambda: listings.append(1) or files())
+    sidecar(tmp_path / "a@m.json", record(chat, "conv-a", "mine"))
+    assert [r["id"] for r in index.records("mine")] == ["conv-a"]   # the first: at once
+    assert len(listings) == 1 and later.jobs == []
+    sidecar(tmp_path / "b@m.json", record(chat, "conv-b", "mine"))   # another process's
+    clock.now += RESCAN_S
+    assert [r["id"] for r in index.records("mine")] == ["conv-a"]
+    assert [r["id"] for r in index.records("mine")] == ["conv-a"]
+    assert len(later.jobs) == 1 and len(listings) == 1, "one listing at a time, not here"
+    later.run()
+    assert sorted(r["id"] for r in index.records("mine")) == ["conv-a", "conv-b"]
+    assert len(listings) == 2 and later.jobs == [], "not due again yet"
+    clock.now += RESCAN_S
+    index.records("mine")
+    assert len(later.jobs) == 1
+
+
+def test_what_this_process_writes_or_deletes_during_a_listing_is_kept(tmp_path, monkeypatch):
+    """A listing may predate this process's writes and deletions made while it ran: taking
+    it must not hide a new sidecar or bring a deleted one back."""
+    chat = [SYSTEM, *EXAMPLES, user("ducks")]
+    later = Later()
+    ours, index, clock = told_index(tmp_path, in_background=later)
+    ours.update_sidecar("a@m", {}, trail=record(chat, "conv-a", "mine"))
+    assert [r["id"] for r in index.records("mine")] == ["conv-a"]
+    files = ours.sidecar_files
+
+    def listed_before_the_changes():
+        listing = files()
+        ours.update_sidecar("c@m", {}, trail=record(chat, "conv-c", "mine"))
+        ours.delete("a@m")
+        return listing
+    monkeypatch.setattr(ours, "sidecar_files", listed_before_the_changes)
+    clock.now += RESCAN_S
+    index.records("mine")
+    later.run()
+    monkeypatch.setattr(ours, "sidecar_files", files)
+    assert [r["id"] for r in index.records("mine")] == ["conv-c"]
+
+
+def test_this_process_writes_change_the_grouping_in_place(tmp_path, monkeypatch):
+    """A sidecar this process writes or deletes moves its record in the grouping: no
+    request regroups the folder (a sort and a look at each of up to ``MAX_RECORDS``) for it."""
+    chat = [SYSTEM, *EXAMPLES, user("ducks")]
+    ours, index, _clock = told_index(tmp_path, in_background=Later())
+    ours.update_sidecar("a@m", {}, trail=record(chat, "conv-a", "mine"))
+    ours.update_sidecar("b@m", {}, trail=record(chat, "conv-b", "mine"))
+    assert sorted(r["id"] for r in index.records("mine")) == ["conv-a", "conv-b"]
+    groupings = []
+    grouped = index._grouped
+    monkeypatch.setattr(index, "_grouped", lambda *a: groupings.append(1) or grouped(*a))
+    ours.update_sidecar("a@m", {}, trail=record(chat, "conv-a2", "theirs"))   # moved
+    ours.update_sidecar("c@m", {}, trail=record(chat, "conv-c", "mine"))
+    ours.update_sidecar("b@m", {}, trail=record(chat + [user("more")], "conv-b", "mine"))
+    assert sorted(r["id"] for r in index.records("mine")) == ["conv-b", "conv-c"]
+    assert [r["messages"] for r in index.records("mine") if r["id"] == "conv-b"] == \
+        [len(chat) + 1]
+    assert [r["id"] for r in index.records("theirs")] == ["conv-a2"]
+    ours.delete("c@m")
+    assert [r["id"] for r in index.records("mine")] == ["conv-b"]
+    assert groupings == []
+
+
+def test_a_request_that_comes_during_the_first_listing_waits_for_it(tmp_path, monkeypatch):
+    chat = [SYSTEM, *EXAMPLES, user("ducks")]
+    sidecar(tmp_path / "a@m.json", record(chat, "conv-a", "mine"))
+    store = SessionStore(tmp_path)
+    index = TrailIndex(store, clock=Clock(), in_background=Later())
+    listing, go_on = threading.Event(), threading.Event()
+    files = store.sidecar_files
+    listings = []
+
+    def slow_files():
+        listings.append(1)
+        listing.set()
+        assert go_on.wait(10)
+        return files()
+    monkeypatch.setattr(store, "sidecar_files", slow_files)
+    seen = {}
+    first = threading.Thread(target=lambda: seen.update(first=index.records("mine")))
+    first.start()
+    assert listing.wait(10)
+    second = threading.Thread(target=lambda: seen.update(second=index.records("mine")))
+    second.start()
+    second.join(0.2)
+    assert second.is_alive(), "the second request waits for the first listing"
+    go_on.set()
+    first.join(10)
+    second.join(10)
+    assert [r["id"] for r in seen["first"]] == [r["id"] for r in seen["second"]] == ["conv-a"]
+    assert len(listings) == 1, "and takes its listing rather than make another"
+
+
+def test_no_thread_for_a_listing_keeps_the_last_one_and_tries_again(tmp_path, caplog):
+    chat = [SYSTEM, *EXAMPLES, user("ducks")]
+    tries = []
+
+    def no_thread(job):
+        tries.append(job)
+        raise RuntimeError("can't start new thread")
+    ours, index, clock = told_index(tmp_path, in_background=no_thread)
+    sidecar(tmp_path / "a@m.json", record(chat, "conv-a", "mine"))
+    assert [r["id"] for r in index.records("mine")] == ["conv-a"]
+    clock.now += RESCAN_S
+    assert [r["id"] for r in index.records("mine")] == ["conv-a"]
+    assert [r["id"] for r in index.records("mine")] == ["conv-a"]
+    assert len(tries) == 2, "each request tries again"
+    assert "could not be listed in the background" in caplog.text
+
+
+def test_a_background_listing_runs_on_a_thread_and_its_failure_is_logged(caplog):
+    ran = threading.Event()
+    trails.on_a_thread(ran.set)
+    assert ran.wait(10)
+
+    def fails():
+        raise OSError("disk gone")
+    threads = set(threading.enumerate())
+    trails.on_a_thread(fails)
+    for thread in set(threading.enumerate()) - threads:
+        thread.join(10)
+    assert "listing the slot folder failed" in caplog.text
 
 
 # -- through the app, against the stub --------------------------------------------------
