@@ -125,11 +125,11 @@ def saved_stems(slot_dir) -> set[str]:
 CHUNK_MADE_BY = {"model_path": "/m.gguf", "n_ctx": 4096, "build_info": "b1"}
 
 
-def save_chunked(files, stem: str, tokens: list[int], saved_at: str = "2026-12-06T00:00:00.000+00:00",
-                 merged: bool = False) -> dict:
+def save_chunked(files, stem: str, tokens: list[int],
+                 saved_at: str = "2026-12-06T00:00:00.000+00:00") -> dict:
     """Save a slot file of ``tokens`` (tests/slot_files.py) as ``stem`` through ``files`` (a
-    ``ChunkedFiles``), as a swap's save does: it is packed into chunks and a manifest.
-    ``merged``: the sidecar keeps the fields of the one it replaces, as a swap's save does."""
+    ``ChunkedFiles``), as a swap's save does: it is packed into chunks and a manifest, and
+    its sidecar keeps the fields of the one it replaces."""
     from tests.slot_files import slot_file
     data = slot_file(tokens)
 
@@ -141,5 +141,5 @@ def save_chunked(files, stem: str, tokens: list[int], saved_at: str = "2026-12-0
         fields = {"format": 3, "saved_at": saved_at, "saved_bytes": size,
                   "n_bytes": answer["n_written"], "made_by": CHUNK_MADE_BY, "session_id": stem,
                   "kind": "session", "n_tokens": len(tokens)}
-        return files.store.merged_sidecar(stem, {}, **fields) if merged else {**fields, "stem": stem}
+        return {**fields, "stem": stem}
     return files.save(stem, write, describe)

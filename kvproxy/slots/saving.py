@@ -63,8 +63,8 @@ class SlotSaver:
             save_ms = (answer.get("timings") or {}).get("save_ms",
                                                         (time.monotonic() - started) * 1000)
             metrics.observe_swap("save", time.monotonic() - started, size)
-            return self.store.merged_sidecar(
-                stem, {}, session_id=session_id, kind=kind, system_hash=system_hash,
+            return dict(  # laid over the sidecar there as the save is put in place
+                session_id=session_id, kind=kind, system_hash=system_hash,
                 model=plan.model_of(made_by),
                 made_by={**made_by, plan.KV_FORMAT: written_as} if written_as else made_by,
                 n_tokens=answer.get("n_saved"), n_bytes=answer.get("n_written"),

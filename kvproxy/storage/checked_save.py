@@ -51,8 +51,9 @@ def checked_save(write: Callable[[str], dict], store: SessionStore, stem: str,
                  as_recorded: Callable[[object], bool] = lambda n_saved: True) -> dict | None:
     """Have llama-server save the slot under a temporary name (``write(name)``: the caller's
     call to llama-server, which answers with what it wrote), check it, then put it and its
-    sidecar (``describe(answer, size)``) in place. Returns the sidecar, or None when the slot
-    is empty (an empty save never replaces a file). A save whose token count
+    sidecar (the one there with the save's fields, ``describe(answer, size)``, laid over it)
+    in place. Returns the sidecar, or None when the slot is empty (an empty save never
+    replaces a file). A save whose token count
     ``as_recorded`` refuses raises NotAsRecorded; one that llama-server or the folder cannot
     complete raises SaveFailed; both leave the old file and sidecar untouched."""
     tmp = temp_path(store, stem)
@@ -71,10 +72,9 @@ def checked_save(write: Callable[[str], dict], store: SessionStore, stem: str,
         discard(tmp)
         raise NotAsRecorded(f"llama-server saved {answer.get('n_saved')} tokens of the slot, "
                             f"not what kvproxy recorded there; {stem}.bin is kept as it was")
-    sidecar = describe(answer, checked_size(store, stem, answer))
-    sidecar["companions"] = companion_suffixes(tmp)   # written beside it by llama-server
-    install(store, stem, sidecar)
-    return sidecar
+    described = describe(answer, checked_size(store, stem, answer))
+    described["companions"] = companion_suffixes(tmp)   # written beside it by llama-server
+    return install(store, stem, described)
 
 
 def checked_size(store: SessionStore, stem: str, answer: dict) -> int:
@@ -94,29 +94,32 @@ def checked_size(store: SessionStore, stem: str, answer: dict) -> int:
     return size
 
 
-def install(store: SessionStore, stem: str, sidecar: dict) -> None:
+def install(store: SessionStore, stem: str, described: dict) -> dict:
     """Rename the checked save over ``<stem>.bin``, its companions over the old file's (old
-    companions the save has not are deleted), and its new sidecar over the old one.
-    Everything that needs disk space happens before the first rename. A process killed
-    at any step leaves what ``sweep`` finishes (the new sidecar is written, matching its
-    file and naming its companions) or rolls back (the old file, companions and sidecar
-    are still in place)."""
+    companions the save has not are deleted), and its new sidecar over the old one: the
+    sidecar there with the save's fields (``described``) laid over it, read and written
+    under the stem's lock, so what an answer wrote into it while the save ran (a hit, a
+    restore) is kept. Everything that needs disk space happens before the first rename. A
+    process killed at any step leaves what ``sweep`` finishes (the new sidecar is written,
+    matching its file and naming its companions) or rolls back (the old file, companions and
+    sidecar are still in place). Returns the new sidecar."""
     tmp = temp_path(store, stem)
     try:
-        tmp_sidecar = write_json_beside(store.sidecar_path(stem), sidecar)
-    except OSError as exc:
-        discard(tmp)
-        raise SaveFailed(f"cannot write the sidecar of {stem}.bin: {exc.strerror or exc}; "
-                           f"the previous file is kept") from exc
-    try:
         with store.stem_lock(stem):   # nobody reads or rewrites the pair half put in place
+            sidecar = {**store.merged_sidecar(stem, {}), **described}
+            try:
+                tmp_sidecar = write_json_beside(store.sidecar_path(stem), sidecar)
+            except OSError as exc:
+                discard(tmp)
+                raise SaveFailed(f"cannot write the sidecar of {stem}.bin: "
+                                 f"{exc.strerror or exc}; the previous file is kept") from exc
             rename_in(store, stem, tmp, tmp_sidecar, sidecar)
     except SaveFailed:
         raise
-    except StorageError as exc:       # the lock: nothing renamed yet
+    except StorageError as exc:       # the lock, or an unreadable sidecar: nothing renamed yet
         discard(tmp)
-        discard(tmp_sidecar)
         raise SaveFailed(f"{exc}; the previous file of {stem}.bin is kept") from exc
+    return sidecar
 
 
 def rename_in(store: SessionStore, stem: str, tmp: Path, tmp_sidecar: Path,

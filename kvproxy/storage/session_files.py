@@ -43,7 +43,8 @@ class SessionFiles(Protocol):
              as_recorded: Callable[[object], bool]) -> dict | None:
         """Have llama-server write the slot (``write(name)``: its save into ``name`` in its
         slot folder, returning its answer), check what it wrote, and put the file and its
-        sidecar (``describe(answer, size)``) in place of the old ones. The new sidecar, or
+        sidecar in place of the old ones: the sidecar there with the save's fields
+        (``describe(answer, size)``) laid over it under the stem's lock. The new sidecar, or
         None when the slot was empty; ``SaveFailed`` or ``NotAsRecorded`` leave the old
         pair as it was."""
         ...

@@ -121,6 +121,30 @@ def test_a_sidecar_update_read_before_a_save_is_not_written_over_the_new_sidecar
     the_new_save_is_whole(store)
 
 
+def test_a_count_written_while_a_save_is_put_in_place_is_kept(stores, monkeypatch):
+    """A save's sidecar is the one there with the save's fields laid over it. Built from the
+    file before the stem's lock was taken, a hit an answer wrote in between was lost when the
+    save's sidecar was renamed over it."""
+    store, counter_store = stores
+    saved(store)
+    store.update_sidecar(SEED, {}, count="hits")
+    threads = []
+    real_beside = checked_save.write_json_beside
+
+    def a_hit_lands(path, data):   # the save's sidecar is being written
+        if not threads:
+            threads.append(run_aside(lambda: counter_store.update_sidecar(SEED, {},
+                                                                          count="hits")))
+        return real_beside(path, data)
+    monkeypatch.setattr(checked_save, "write_json_beside", a_hit_lands)
+
+    installed = checked_save.install(store, SEED, new_save(store))
+    threads[0].join(10)
+    the_new_save_is_whole(store)
+    assert installed["hits"] == 1, "the save's sidecar keeps the hit counted before it"
+    assert store.read_sidecar(SEED)["hits"] == 2, "and the one counted while it was put in place"
+
+
 def test_a_file_judged_bad_that_is_whole_when_set_aside_is_kept(tmp_path):
     """A Refuse decided from a mismatch that a save has since replaced: the file now matches
     its sidecar and is not moved."""

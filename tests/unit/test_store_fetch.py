@@ -70,7 +70,7 @@ def test_a_session_fetched_and_carried_on_by_one_node_is_fetched_by_the_next(nod
     publish(shared.bucket, one, ALICE.stem)
     assert two.fetch(ALICE.stem)
     first = two.store.read_sidecar(ALICE.stem)["fetched_generation"]
-    save_chunked(two, ALICE.stem, TOKENS, saved_at="2026-12-06T00:00:01.000+00:00", merged=True)
+    save_chunked(two, ALICE.stem, TOKENS, saved_at="2026-12-06T00:00:01.000+00:00")
     assert two.store.read_sidecar(ALICE.stem)["fetched_generation"] == first
     publish(shared.bucket, two, ALICE.stem)
     three = ChunkedFiles(SessionStore(tmp_path / "three"), chunk_tokens=C, shared=shared)
