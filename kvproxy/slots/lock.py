@@ -71,25 +71,11 @@ class SlotLock:
         if waited:
             self._wait_for_thread_lock(started, bound)
         try:
-            with self._file_guard:
-                if not self._file_held:
-                    try:
-                        self._file_lock.acquire(timeout=0)
-                    except filelock.Timeout:  # another process holds the slot
-                        waited = True
-                        self._wait_for_file_lock(started, bound)
-                    self._file_held = True
+            elsewhere = self._hold_file_lock(started, bound)
         except filelock.Timeout:
-            self.thread_lock.release()
             raise self._busy(started, bound) from None
-        except Exception as exc:  # noqa: BLE001 - read-only, full, lockless filesystems...
-            self.thread_lock.release()
-            raise _lock_unusable(exc) from exc
-        except BaseException:
-            self.thread_lock.release()
-            raise
         metrics.LOCK_WAIT.observe(time.monotonic() - started)
-        return waited
+        return waited or elsewhere
 
     def try_acquire(self) -> bool:
         """Take the slot only if nobody (thread or process) holds it; never waits.
@@ -97,21 +83,39 @@ class SlotLock:
         if not self.thread_lock.acquire(blocking=False):
             return False
         try:
-            with self._file_guard:
-                if not self._file_held:
-                    self._file_lock.acquire(timeout=0)
-                    self._file_held = True
+            self._hold_file_lock()
         except filelock.Timeout:
-            self._ask_for_file_lock()
-            self.thread_lock.release()
             return False
+        return True
+
+    def _hold_file_lock(self, started: float = 0.0, bound: float | None = None) -> bool:
+        """With the thread lock just taken, hold the file lock too: kept from an earlier
+        release, or taken now. When another process holds it: with a ``bound``, wait for it
+        until then; without, ask for it (``filelock.Timeout``). Whether it waited; any
+        failure frees the thread lock."""
+        try:
+            with self._file_guard:
+                waited = False
+                if not self._file_held:
+                    try:
+                        self._file_lock.acquire(timeout=0)
+                    except filelock.Timeout:
+                        if bound is None:
+                            self._ask_for_file_lock()
+                            raise
+                        waited = True
+                        self._wait_for_file_lock(started, bound)
+                    self._file_held = True
+                return waited
+        except filelock.Timeout:
+            self.thread_lock.release()
+            raise
         except Exception as exc:  # noqa: BLE001 - read-only, full, lockless filesystems...
             self.thread_lock.release()
             raise _lock_unusable(exc) from exc
         except BaseException:
             self.thread_lock.release()
             raise
-        return True
 
     def held_here(self) -> bool:
         """Whether a thread of this process holds the slot."""
