@@ -106,8 +106,8 @@ def install(store: SessionStore, stem: str, described: dict) -> dict:
     tmp = temp_path(store, stem)
     try:
         with store.stem_lock(stem):   # nobody reads or rewrites the pair half put in place
-            sidecar = {**store.merged_sidecar(stem, {}), **described}
             try:
+                sidecar = {**store.merged_sidecar(stem, {}), **described}
                 tmp_sidecar = write_json_beside(store.sidecar_path(stem), sidecar)
             except OSError as exc:
                 discard(tmp)
@@ -116,7 +116,7 @@ def install(store: SessionStore, stem: str, described: dict) -> dict:
             rename_in(store, stem, tmp, tmp_sidecar, sidecar)
     except SaveFailed:
         raise
-    except StorageError as exc:       # the lock, or an unreadable sidecar: nothing renamed yet
+    except StorageError as exc:       # the lock: nothing renamed yet
         discard(tmp)
         raise SaveFailed(f"{exc}; the previous file of {stem}.bin is kept") from exc
     return sidecar

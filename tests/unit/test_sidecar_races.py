@@ -9,6 +9,7 @@ folder, as a second process would: only the file lock keeps them apart there.
 """
 from __future__ import annotations
 
+import errno
 import threading
 
 import pytest
@@ -143,6 +144,23 @@ def test_a_count_written_while_a_save_is_put_in_place_is_kept(stores, monkeypatc
     the_new_save_is_whole(store)
     assert installed["hits"] == 1, "the save's sidecar keeps the hit counted before it"
     assert store.read_sidecar(SEED)["hits"] == 2, "and the one counted while it was put in place"
+
+
+def test_a_sidecar_that_cannot_be_read_as_a_save_is_put_in_place_keeps_the_old_pair(
+        tmp_path, monkeypatch):
+    store = SessionStore(tmp_path)
+    saved(store)
+    ready = new_save(store)
+
+    def unreadable(stem, defaults, **changes):
+        raise OSError(errno.EIO, "Input/output error")
+    monkeypatch.setattr(store, "merged_sidecar", unreadable)
+    with pytest.raises(checked_save.SaveFailed, match="Input/output error"):
+        checked_save.install(store, SEED, ready)
+    monkeypatch.undo()
+    assert not checked_save.temp_path(store, SEED).exists(), "the save is discarded"
+    assert store.bin_path(SEED).read_bytes() == b"o" * 10
+    assert store.read_sidecar(SEED)["saved_at"] == OLD
 
 
 def test_a_file_judged_bad_that_is_whole_when_set_aside_is_kept(tmp_path):
