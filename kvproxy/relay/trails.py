@@ -48,14 +48,13 @@ class TrailIndex:
         self._in_background = in_background or on_a_thread
         self._cache: dict[str, tuple[tuple[int, int], dict | None]] = {}
         self._notes: dict[str, tuple[float, dict]] = {}  # session id: (monotonic, record)
-        self._listed: dict[str, tuple[int, int]] = {}    # sidecar name: (mtime ns, size)
         self._listed_at: float | None = None
         # The grouped records: scope -> sidecar name -> record, oldest first (a session's
         # newest sidecar speaks for it); None until the first listing.
         self._by_scope: dict[str, dict[str, dict]] | None = None
-        # While a listing runs: what this process wrote (a name's listing) or deleted (None)
-        # meanwhile, laid over the listing when it is taken (it may predate them).
-        self._meanwhile: dict[str, tuple[int, int] | None] | None = None
+        # While a listing runs: the sidecars this process wrote or deleted meanwhile, taken
+        # as the cache has them when the listing is taken (it may predate them).
+        self._meanwhile: set[str] | None = None
         self._lock = threading.Lock()
         self._first_listing = threading.Lock()
 
@@ -80,19 +79,17 @@ class TrailIndex:
             _ungroup(self._by_scope, self._cache, name)
             self._cache[name] = (written, record)
             if not name.startswith(BASE_PREFIX):
-                self._listed[name] = written
                 _group(self._by_scope, name, record)
                 if self._meanwhile is not None:
-                    self._meanwhile[name] = written
+                    self._meanwhile.add(name)
 
     def forget(self, name: str) -> None:
         """A sidecar this process has just deleted: no longer listed."""
         with self._lock:
             _ungroup(self._by_scope, self._cache, name)
             self._cache.pop(name, None)
-            self._listed.pop(name, None)
             if self._meanwhile is not None:
-                self._meanwhile[name] = None
+                self._meanwhile.add(name)
 
     def records(self, scope: str) -> list[dict]:
         """This scope's records: the sidecars', each replaced by a newer note of its session."""
@@ -126,13 +123,13 @@ class TrailIndex:
                 if self._meanwhile is not None or \
                         self._clock() - self._listed_at < self.rescan_s:
                     return
-                self._meanwhile = {}
+                self._meanwhile = set()
         if first:
             with self._first_listing:
                 with self._lock:
                     if self._listed_at is not None:
                         return
-                    self._meanwhile = {}
+                    self._meanwhile = set()
                 self._list()
             return
         try:
@@ -158,18 +155,16 @@ class TrailIndex:
                 self._meanwhile = None
             raise
         with self._lock:
-            meanwhile, self._meanwhile = self._meanwhile or {}, None
-            for name, written in meanwhile.items():
+            meanwhile, self._meanwhile = self._meanwhile or set(), None
+            for name in meanwhile:
                 _ungroup(by_scope, cache, name)
-                if written is None:
-                    listed.pop(name, None)
+                current = self._cache.get(name)   # None: deleted
+                if current is None:
                     cache.pop(name, None)
                 else:
-                    listed[name] = written
-                    cache[name] = self._cache.get(name, (written, None))
-                    _group(by_scope, name, cache[name][1])
-            self._listed, self._listed_at = listed, started
-            self._cache, self._by_scope = cache, by_scope
+                    cache[name] = current
+                    _group(by_scope, name, current[1])
+            self._listed_at, self._cache, self._by_scope = started, cache, by_scope
 
     def _grouped(self, listed: dict[str, tuple[int, int]],
                  cache: dict[str, tuple[tuple[int, int], dict | None]]

@@ -376,6 +376,62 @@ def test_a_request_that_comes_during_the_first_listing_waits_for_it(tmp_path, mo
     assert len(listings) == 1, "and takes its listing rather than make another"
 
 
+def test_a_listing_that_fails_is_made_again_when_due(tmp_path, monkeypatch):
+    chat = [SYSTEM, *EXAMPLES, user("ducks")]
+    later = Later()
+    ours, index, clock = told_index(tmp_path, in_background=later)
+    sidecar(tmp_path / "a@m.json", record(chat, "conv-a", "mine"))
+    assert [r["id"] for r in index.records("mine")] == ["conv-a"]
+    files = ours.sidecar_files
+
+    def broken():
+        raise RuntimeError("a bug in the listing")
+    monkeypatch.setattr(ours, "sidecar_files", broken)
+    clock.now += RESCAN_S
+    index.records("mine")
+    with pytest.raises(RuntimeError):
+        later.run()
+    monkeypatch.setattr(ours, "sidecar_files", files)
+    sidecar(tmp_path / "b@m.json", record(chat, "conv-b", "mine"))
+    assert [r["id"] for r in index.records("mine")] == ["conv-a"], "the last listing serves"
+    later.run()
+    assert sorted(r["id"] for r in index.records("mine")) == ["conv-a", "conv-b"]
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first listing", "later listing"])
+def test_what_this_process_writes_while_a_listing_groups_is_laid_over_it(tmp_path, monkeypatch,
+                                                                          first):
+    """A sidecar this process rewrites (its trail now another scope's) or writes while the
+    listing reads and groups the folder: the grouping taken shows what it wrote, and
+    forgets it when it is deleted."""
+    chat = [SYSTEM, *EXAMPLES, user("ducks")]
+    later = Later()
+    ours, index, clock = told_index(tmp_path, in_background=later)
+    ours.update_sidecar("a@m", {}, trail=record(chat, "conv-a", "mine"))
+    ours.update_sidecar("d@m", {}, trail=record(chat, "conv-d", "mine"))
+    if not first:
+        assert sorted(r["id"] for r in index.records("mine")) == ["conv-a", "conv-d"]
+    grouped = index._grouped
+
+    def writes_meanwhile(*args):
+        taken = grouped(*args)
+        ours.update_sidecar("a@m", {}, trail=record(chat, "conv-a", "theirs"))
+        ours.update_sidecar("b@m", {}, trail=record(chat, "conv-b", "mine"))
+        ours.update_sidecar("c@m", {}, trail=record(chat, "conv-c", "mine"))
+        ours.delete("c@m")   # never in the listing
+        ours.delete("d@m")   # in the listing
+        return taken
+    monkeypatch.setattr(index, "_grouped", writes_meanwhile)
+    clock.now += RESCAN_S
+    index.records("mine")
+    later.run()
+    monkeypatch.setattr(index, "_grouped", grouped)
+    assert [r["id"] for r in index.records("mine")] == ["conv-b"]
+    assert [r["id"] for r in index.records("theirs")] == ["conv-a"]
+    ours.delete("a@m")
+    assert index.records("theirs") == []
+
+
 def test_no_thread_for_a_listing_keeps_the_last_one_and_tries_again(tmp_path, caplog):
     chat = [SYSTEM, *EXAMPLES, user("ducks")]
     tries = []
@@ -390,13 +446,17 @@ def test_no_thread_for_a_listing_keeps_the_last_one_and_tries_again(tmp_path, ca
     assert [r["id"] for r in index.records("mine")] == ["conv-a"]
     assert [r["id"] for r in index.records("mine")] == ["conv-a"]
     assert len(tries) == 2, "each request tries again"
-    assert "could not be listed in the background" in caplog.text
+    assert [r.getMessage() for r in caplog.records if r.name == "kvproxy.relay"] == [
+        "the slot folder could not be listed in the background: can't start new thread"] * 2
 
 
 def test_a_background_listing_runs_on_a_thread_and_its_failure_is_logged(caplog):
-    ran = threading.Event()
-    trails.on_a_thread(ran.set)
+    """A daemon thread (a stop never waits for a listing), named for operators' tools."""
+    ran, on = threading.Event(), []
+    trails.on_a_thread(lambda: on.append(threading.current_thread()) or ran.set())
     assert ran.wait(10)
+    assert on[0] is not threading.current_thread()
+    assert on[0].daemon and on[0].name == "kvproxy-trail-listing"
 
     def fails():
         raise OSError("disk gone")
@@ -404,7 +464,9 @@ def test_a_background_listing_runs_on_a_thread_and_its_failure_is_logged(caplog)
     trails.on_a_thread(fails)
     for thread in set(threading.enumerate()) - threads:
         thread.join(10)
-    assert "listing the slot folder failed" in caplog.text
+    logged = [r for r in caplog.records if r.name == "kvproxy.relay"]
+    assert [r.getMessage() for r in logged] == ["listing the slot folder failed"]
+    assert "disk gone" in str(logged[0].exc_info[1])
 
 
 # -- through the app, against the stub --------------------------------------------------
