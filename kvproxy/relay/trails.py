@@ -70,9 +70,9 @@ class TrailIndex:
 
     def learn(self, name: str, written: tuple[int, int], sidecar: dict) -> None:
         """A sidecar this process has just written (``SessionStore.tell_sidecar_writes``):
-        listed, cached and grouped as the folder's listing will show it, so the next request
-        neither reads it back nor regroups the folder. A file another process writes later
-        differs in time or size and is read."""
+        cached and grouped as the folder's next listing will find it, so no request reads it
+        back or regroups the folder. A file another process writes later differs in time or
+        size and is read."""
         record = trail_record(sidecar)
         record = dict(record) if record is not None else None
         with self._lock:
@@ -84,7 +84,7 @@ class TrailIndex:
                     self._meanwhile.add(name)
 
     def forget(self, name: str) -> None:
-        """A sidecar this process has just deleted: no longer listed."""
+        """A sidecar this process has just deleted: out of the cache and the grouping."""
         with self._lock:
             _ungroup(self._by_scope, self._cache, name)
             self._cache.pop(name, None)
