@@ -549,8 +549,13 @@ def test_the_file_a_slot_is_being_filled_from_is_not_evicted_by_another_process(
     answer(first, C, fake, tokens=12)        # slot 0: A saved (16 bytes)
     answer(first, Session("D", "test", model=MODEL), fake, tokens=12)        # slot 1: B saved (32)
     SessionStore(tmp_path).update_sidecar(A.stem, {}, last_used_at="2000-01-01T00:00:00+00:00")
-    first.executor.claim(0, A, [0, 1])  # first is about to restore A into slot 0
-    answer(second, Session("E", "test", model=MODEL), fake, tokens=12)   # slot 1: saving D needs room
+    restoring = first.pool.lock(0)
+    restoring.acquire()   # first is about to restore A into slot 0: it holds the slot
+    try:
+        first.executor.claim(0, A, [0, 1])
+        answer(second, Session("E", "test", model=MODEL), fake, tokens=12)   # slot 1: saving D needs room
+    finally:
+        restoring.release()
     assert (tmp_path / f"{A.stem}.bin").exists(), "the file being restored"
     assert not (tmp_path / f"{B.stem}.bin").exists()
 
