@@ -300,29 +300,6 @@ def test_a_due_listing_runs_in_the_background_and_requests_use_the_last_one(tmp_
     assert len(later.jobs) == 1
 
 
-def test_what_this_process_writes_or_deletes_during_a_listing_is_kept(tmp_path, monkeypatch):
-    """A listing may predate this process's writes and deletions made while it ran: taking
-    it must not hide a new sidecar or bring a deleted one back."""
-    chat = [SYSTEM, *EXAMPLES, user("ducks")]
-    later = Later()
-    ours, index, clock = told_index(tmp_path, in_background=later)
-    ours.update_sidecar("a@m", {}, trail=record(chat, "conv-a", "mine"))
-    assert [r["id"] for r in index.records("mine")] == ["conv-a"]
-    files = ours.sidecar_files
-
-    def listed_before_the_changes():
-        listing = files()
-        ours.update_sidecar("c@m", {}, trail=record(chat, "conv-c", "mine"))
-        ours.delete("a@m")
-        return listing
-    monkeypatch.setattr(ours, "sidecar_files", listed_before_the_changes)
-    clock.now += RESCAN_S
-    index.records("mine")
-    later.run()
-    monkeypatch.setattr(ours, "sidecar_files", files)
-    assert [r["id"] for r in index.records("mine")] == ["conv-c"]
-
-
 def test_this_process_writes_change_the_grouping_in_place(tmp_path, monkeypatch):
     """A sidecar this process writes or deletes moves its record in the grouping: no
     request regroups the folder (a sort and a look at each of up to ``MAX_RECORDS``) for it."""
@@ -398,12 +375,14 @@ def test_a_listing_that_fails_is_made_again_when_due(tmp_path, monkeypatch):
     assert sorted(r["id"] for r in index.records("mine")) == ["conv-a", "conv-b"]
 
 
+@pytest.mark.parametrize("during", ["scan", "grouping"])
 @pytest.mark.parametrize("first", [True, False], ids=["first listing", "later listing"])
-def test_what_this_process_writes_while_a_listing_groups_is_laid_over_it(tmp_path, monkeypatch,
-                                                                          first):
-    """A sidecar this process rewrites (its trail now another scope's) or writes while the
-    listing reads and groups the folder: the grouping taken shows what it wrote, and
-    forgets it when it is deleted."""
+def test_what_this_process_writes_or_deletes_during_a_listing_is_laid_over_it(
+        tmp_path, monkeypatch, first, during):
+    """A listing may predate this process's writes and deletions made while it scans the
+    folder or groups its records: the grouping taken shows a sidecar rewritten (its trail now
+    another scope's) or written meanwhile, forgets it when it is deleted, and never brings
+    back one deleted meanwhile."""
     chat = [SYSTEM, *EXAMPLES, user("ducks")]
     later = Later()
     ours, index, clock = told_index(tmp_path, in_background=later)
@@ -411,21 +390,22 @@ def test_what_this_process_writes_while_a_listing_groups_is_laid_over_it(tmp_pat
     ours.update_sidecar("d@m", {}, trail=record(chat, "conv-d", "mine"))
     if not first:
         assert sorted(r["id"] for r in index.records("mine")) == ["conv-a", "conv-d"]
-    grouped = index._grouped
+    owner, method = (ours, "sidecar_files") if during == "scan" else (index, "_grouped")
+    real = getattr(owner, method)
 
-    def writes_meanwhile(*args):
-        taken = grouped(*args)
+    def changes_meanwhile(*args):
+        taken = real(*args)
         ours.update_sidecar("a@m", {}, trail=record(chat, "conv-a", "theirs"))
         ours.update_sidecar("b@m", {}, trail=record(chat, "conv-b", "mine"))
         ours.update_sidecar("c@m", {}, trail=record(chat, "conv-c", "mine"))
         ours.delete("c@m")   # never in the listing
         ours.delete("d@m")   # in the listing
         return taken
-    monkeypatch.setattr(index, "_grouped", writes_meanwhile)
+    monkeypatch.setattr(owner, method, changes_meanwhile)
     clock.now += RESCAN_S
     index.records("mine")
     later.run()
-    monkeypatch.setattr(index, "_grouped", grouped)
+    monkeypatch.setattr(owner, method, real)
     assert [r["id"] for r in index.records("mine")] == ["conv-b"]
     assert [r["id"] for r in index.records("theirs")] == ["conv-a"]
     ours.delete("a@m")
