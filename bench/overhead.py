@@ -8,7 +8,9 @@ shuffled order each round (``micro.overhead``); what each proxy adds is its medi
 direct median, and the ratio of the two is kvproxy's cost against the floor of any Flask +
 gunicorn + requests proxy on this machine. ``--saved N`` puts N other users' conversations
 (sidecars with a trail) in the slot folder first, as a busy server's folder holds: what
-kvproxy does per request that grows with the folder shows there.
+kvproxy does per request that grows with the folder shows there. ``--without session,slot``
+runs kvproxy with those parts cut out (``bench.overhead_without``): how far the ratio can fall
+when they cost nothing.
 """
 from __future__ import annotations
 
@@ -23,7 +25,18 @@ from kvproxy.sessions.identity import Session
 from kvproxy.storage.store import SessionStore
 
 from . import micro
+from .overhead_without import PARTS
 from .procs import Proxy
+
+
+def parts(text: str) -> tuple[str, ...]:
+    """``--without``'s value: known part names."""
+    named = tuple(part for part in text.split(",") if part)
+    unknown = [part for part in named if part not in PARTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"no part named {', '.join(unknown)} "
+                                         f"(choose from {', '.join(PARTS)})")
+    return named
 
 
 def fill(folder: Path, saved: int) -> None:
@@ -38,16 +51,21 @@ def fill(folder: Path, saved: int) -> None:
                              trail=matching.trail_of(chat).record(session, "another-user"))
 
 
-def measure(rounds: int, work: Path, log=print, saved: int = 0) -> dict:
-    """``micro.overhead``'s figures for kvproxy and the bare relay against one llama-server."""
+def measure(rounds: int, work: Path, log=print, saved: int = 0,
+            without: tuple[str, ...] = ()) -> dict:
+    """``micro.overhead``'s figures for kvproxy (``without`` those parts) and the bare relay
+    against one llama-server."""
     fill(work, saved)
     llama = LlamaServer(str(work), slots=1, ctx_size=2048, cache_ram_mib=0,
                         log_path=str(work / "llama.log"))
     proxy = bare = None
     try:
         llama.start()
+        cut = {"KVPROXY_BENCH_WITHOUT": ",".join(without)} if without else {}
         proxy = Proxy(llama.url, str(work), str(work / "kvproxy.log"),
-                      env={"KVPROXY_LOG_LEVEL": "WARNING"}).start()
+                      env={"KVPROXY_LOG_LEVEL": "WARNING", **cut},
+                      wsgi_app="bench.overhead_without:build()" if without else "wsgi:app"
+                      ).start()
         bare = Proxy(llama.url, str(work), str(work / "bare.log"),
                      wsgi_app="bench.passthrough:app").start(timeout=60)
         return micro.overhead(proxy.url, llama.url, rounds, log, bare.url)
@@ -64,14 +82,18 @@ def main(argv: list[str] | None = None) -> int:
                              "still moved by a few tenths of a millisecond from run to run)")
     parser.add_argument("--saved", type=int, default=0,
                         help="other users' saved conversations in the slot folder (default 0)")
+    parser.add_argument("--without", type=parts, default=(),
+                        help="cut these parts out of kvproxy's path, comma-separated: "
+                             f"{', '.join(PARTS)} (bench/overhead_without.py)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvproxy-overhead-") as work:
         print(f"llama-server, kvproxy and a bare Flask relay; {args.rounds} shuffled rounds of "
-              f"one tiny no-swap request each way; {args.saved} other conversations saved ...",
-              flush=True)
-        figures = measure(args.rounds, Path(work), saved=args.saved)
+              f"one tiny no-swap request each way; {args.saved} other conversations saved"
+              + (f"; kvproxy without its {' and '.join(args.without)}" if args.without else "")
+              + " ...", flush=True)
+        figures = measure(args.rounds, Path(work), saved=args.saved, without=args.without)
     added, floor = figures["added_median_ms"], figures["bare"]["added_median_ms"]
-    if figures["requests_not_hit"]:
+    if figures["requests_not_hit"] and "slot" not in args.without:
         print(f"  warning: {figures['requests_not_hit']} request(s) through kvproxy were not hits")
     print(f"  direct: median {figures['direct_median_ms']:.2f} ms")
     print(f"  kvproxy adds {added:+.2f} ms (median), the bare relay {floor:+.2f} ms: "
