@@ -25,18 +25,16 @@ from kvproxy.sessions.identity import Session
 from kvproxy.storage.store import SessionStore
 
 from . import micro
-from .overhead_without import PARTS
+from .overhead_without import PARTS, named_parts
 from .procs import Proxy
 
 
 def parts(text: str) -> tuple[str, ...]:
-    """``--without``'s value: known part names."""
-    named = tuple(part for part in text.split(",") if part)
-    unknown = [part for part in named if part not in PARTS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"no part named {', '.join(unknown)} "
-                                         f"(choose from {', '.join(PARTS)})")
-    return named
+    """``--without``'s value: known part names (``overhead_without.named_parts``)."""
+    try:
+        return named_parts(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def fill(folder: Path, saved: int) -> None:

@@ -16,12 +16,21 @@ import os
 PARTS = ("session", "slot")
 
 
+def named_parts(text: str) -> tuple[str, ...]:
+    """The parts a comma-separated list names; ValueError for a name not in ``PARTS``."""
+    named = tuple(part for part in text.split(",") if part)
+    unknown = [part for part in named if part not in PARTS]
+    if unknown:
+        raise ValueError(f"no part named {', '.join(unknown)} (choose from {', '.join(PARTS)})")
+    return named
+
+
 def build():
     """kvproxy's WSGI app with the parts ``KVPROXY_BENCH_WITHOUT`` names cut out."""
-    parts = {part for part in os.environ.get("KVPROXY_BENCH_WITHOUT", "").split(",") if part}
-    unknown = parts - set(PARTS)
-    if unknown:
-        raise SystemExit(f"bench.overhead_without: no part named {', '.join(sorted(unknown))}")
+    try:
+        parts = set(named_parts(os.environ.get("KVPROXY_BENCH_WITHOUT", "")))
+    except ValueError as exc:
+        raise SystemExit(f"bench.overhead_without: {exc}") from None
     from kvproxy.relay.relay import Relay
     from kvproxy.slots.switch import SlotSwitch
     cut(parts, Relay, SlotSwitch)
